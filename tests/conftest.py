@@ -1,0 +1,36 @@
+"""Shared test fixtures: paths to ../shared, tiny checkpoints, and one warmed vLLM engine per session.
+
+The vLLM engine is the slow thing to start (a few seconds, plus a one-off warm-up on the first
+generate), so every test that needs one borrows this session-wide instance.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+GSM8K_DIR = SHARED / "data" / "gsm8k"
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    import data
+    return data.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_untied(tmp_path_factory):
+    import data
+    return data.make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_untied") / "ckpt", seed=1,
+                                     tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_ckpt):
+    from generator import VLLMGenerator
+    return VLLMGenerator(str(tiny_ckpt), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=512)
