@@ -1,0 +1,354 @@
+"""The policy network: a Llama-family decoder (Llama 3.x, Qwen2/2.5, Qwen3) in plain PyTorch.
+
+Every block is the same pre-norm residual pair
+    x = x + Attn(RMSNorm(x));   x = x + MLP(RMSNorm(x))
+    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)          (computed in fp32, cast back)
+    MLP(x)     = down(silu(gate(x)) * up(x))            (SwiGLU)
+    Attn       = causal softmax(q k^T / sqrt(head_dim)) v with grouped-query attention (GQA): H query heads
+                 share H_kv key/value heads, H / H_kv queries per group.
+RoPE rotates each (q, k) pair of channels (i, i + head_dim/2) by angle pos * inv_freq[i],
+    inv_freq[i] = rope_theta ** (-2i / head_dim).
+The three families differ only in small switches (all read from the checkpoint's config.json):
+- llama: no biases. Llama 3.1+ adds `rope_scaling` type "llama3", which stretches long wavelengths for long
+  context: with L = original_max_position_embeddings and wavelen = 2 pi / inv_freq,
+      wavelen < L / high_freq_factor  -> inv_freq unchanged            (high frequencies: local order)
+      wavelen > L / low_freq_factor   -> inv_freq / factor             (low frequencies: interpolated)
+      otherwise                       -> (1 - s) inv_freq / factor + s inv_freq,
+                                         s = (L / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+- qwen2 (Qwen2 / Qwen2.5): q, k and v projections carry a bias.
+- qwen3: no biases, but an RMSNorm over head_dim on every q and k head before RoPE ("qk-norm"), and head_dim is
+  decoupled from hidden_size / num_heads.
+Embeddings may be tied (lm_head.weight is the same Parameter as model.embed_tokens.weight) or not.
+
+Parameter names are exactly the Hugging Face ones, so checkpoints load and save, and weights sync to vLLM, with no
+renaming. `forward(..., targets=...)` returns fp32 per-token log-probs log_softmax(logits / temperature)[target]
+(and optionally the entropy) computed chunk by chunk, so the (B, T, V) fp32 tensor never exists at once, in the
+forward nor (through per-chunk recomputation) in the backward.
+
+Left out on purpose: MoE, sliding-window attention, other RoPE scalings (yarn, dynamic, linear), partial rotary,
+mlp bias, tensor-parallel-aware shapes beyond "heads are inferred with view(..., -1, head_dim)", quantisation.
+"""
+import json
+import math
+import shutil
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.checkpoint import checkpoint
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None  # {"rope_type": "llama3", factor, low/high_freq_factor, original_max_pos...} or None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool       # q/k/v bias (qwen2: always)
+    qk_norm: bool              # per-head RMSNorm on q and k (qwen3)
+
+    @classmethod
+    def from_hf(cls, d: dict, source: str = "config.json") -> "ModelConfig":
+        """Both dialects: the Hub's top-level rope_theta/rope_scaling, and transformers 5's rope_parameters."""
+        def need(key, where=d):
+            if key not in where or where[key] is None:
+                raise ValueError(f"{source}: missing config field '{key}'")
+            return where[key]
+
+        model_type = need("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"{source}: unsupported model_type '{model_type}' (supported: {list(ARCHITECTURES)})")
+        for key, ok in (("hidden_act", "silu"), ("mlp_bias", False), ("use_sliding_window", False)):
+            if d.get(key, ok) != ok:
+                raise ValueError(f"{source}: field '{key}'={d[key]!r} is not supported (only {ok!r})")
+        rope = d.get("rope_parameters") or {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta")}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"{source}: rope type '{rope_type}' is not supported (only default and llama3)")
+        rope_scaling = None
+        if rope_type == "llama3":
+            rope_scaling = {"rope_type": "llama3"}
+            for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                rope_scaling[key] = need(key, rope)
+        heads = need("num_attention_heads")
+        return cls(model_type=model_type, vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
+                   intermediate_size=need("intermediate_size"), num_hidden_layers=need("num_hidden_layers"),
+                   num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=d.get("head_dim") or need("hidden_size") // heads, rms_norm_eps=need("rms_norm_eps"),
+                   rope_theta=float(need("rope_theta", rope)), rope_scaling=rope_scaling,
+                   max_position_embeddings=need("max_position_embeddings"),
+                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                   attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
+                   qk_norm=model_type == "qwen3")
+
+    def to_hf(self) -> dict:
+        """A config.json that transformers 5 and vLLM open (transformers 5 dialect, plus top-level rope_theta)."""
+        d = asdict(self)
+        rope_scaling, qk_norm = d.pop("rope_scaling"), d.pop("qk_norm")
+        if self.model_type == "qwen2":
+            d.pop("attention_bias")  # implied by the architecture
+        d["rope_parameters"] = {"rope_theta": self.rope_theta, **(rope_scaling or {"rope_type": "default"})}
+        return {"architectures": [ARCHITECTURES[self.model_type]], **d, "hidden_act": "silu", "use_cache": True}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig, device=None):
+    """inv_freq (head_dim/2,) fp32, with llama3 scaling applied when configured (math in the module docstring)."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device).float() / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    L, lo, hi, factor = s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"], s["factor"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (L / wavelen - lo) / (hi - lo)
+    scaled = torch.where(wavelen > L / lo, inv_freq / factor, inv_freq)
+    medium = (wavelen >= L / hi) & (wavelen <= L / lo)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def apply_rope(x, cos, sin):  # x (B, H, T, D); cos, sin (B, 1, T, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: (num_layers, B, num_kv_heads, max_len, head_dim)."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
+        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        D, H, H_kv, bias = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, H_kv * D, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, H_kv * D, bias=bias)
+        # HF llama/qwen3 put attention_bias on o_proj as well; qwen2 biases q, k, v only
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=bias and cfg.model_type != "qwen2")
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
+        self.head_dim, self.layer_idx, self.qk_norm = D, layer_idx, cfg.qk_norm
+
+    def forward(self, x, cos, sin, mask, kv_cache, cache_pos):
+        B, T, _ = x.shape
+        # view(..., -1, D): the head count follows the weights, so a tensor-parallel shard just has fewer heads
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        if kv_cache is not None:
+            kv_cache.k[self.layer_idx, :, :, cache_pos:cache_pos + T] = k
+            kv_cache.v[self.layer_idx, :, :, cache_pos:cache_pos + T] = v
+            k = kv_cache.k[self.layer_idx, :, :, :cache_pos + T]
+            v = kv_cache.v[self.layer_idx, :, :, :cache_pos + T]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, kv_cache, cache_pos):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_pos)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _chunk_logp(h, t, lm_head, temperature, return_entropy):
+    logp_all = torch.log_softmax(lm_head(h).float() / temperature, dim=-1)  # (n, V) fp32: one chunk only
+    logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
+    if not return_entropy:
+        return (logp,)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_entropy=False, chunk=1024):
+    """hidden (B, T, D) final-norm states, lm_head: (n, D) -> (n, V), targets (B, T) token ids.
+    Returns logp (B, T) fp32 = log_softmax(lm_head(hidden).float() / temperature)[targets] (+ entropy (B, T)),
+    `chunk` tokens at a time. Under autograd every chunk is checkpointed: only its (n, D) input is saved and its
+    logits are recomputed in backward, so neither pass holds more than one chunk's (chunk, V) fp32 tensors."""
+    B, T, D = hidden.shape
+    h, t = hidden.reshape(B * T, D), targets.reshape(B * T)
+    outs = []
+    for i in range(0, B * T, chunk):
+        args = (h[i:i + chunk], t[i:i + chunk], lm_head, temperature, return_entropy)
+        if torch.is_grad_enabled() and h.requires_grad:
+            outs.append(checkpoint(_chunk_logp, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk_logp(*args))
+    res = [torch.cat(parts).view(B, T) for parts in zip(*outs)]
+    return tuple(res) if return_entropy else res[0]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.hidden_size),
+            layers=nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers)),
+            norm=RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        for name, p in self.named_parameters():  # HF-style init; skipped on the meta device (from_pretrained)
+            if not p.is_meta and name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif not p.is_meta and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, *, targets=None, temperature=1.0,
+                return_entropy=False, kv_cache=None, cache_pos=0, logits_chunk=1024):
+        B, T = input_ids.shape
+        S, dev = cache_pos + T, input_ids.device
+        packed = position_ids is not None and attention_mask is None and kv_cache is None and T > 1
+        if attention_mask is not None and attention_mask.shape != (B, S):
+            raise ValueError(f"attention_mask must be (B, cache_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
+        if position_ids is None:
+            if attention_mask is not None:  # real tokens count from 0 whatever the padding side
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, cache_pos:]
+            else:
+                position_ids = torch.arange(cache_pos, S, device=dev).expand(B, T)
+        q_pos, k_pos = torch.arange(cache_pos, S, device=dev), torch.arange(S, device=dev)
+        mask = None  # None -> plain causal (SDPA's fast path)
+        if attention_mask is not None or cache_pos > 0:
+            mask = k_pos[None, :] <= q_pos[:, None]  # (T, S)
+            if attention_mask is not None:
+                # the diagonal keeps pad queries from attending to nothing (NaN); their outputs are never used
+                mask = (mask & attention_mask.bool()[:, None, :]) | (k_pos[None, :] == q_pos[:, None])
+            mask = mask.expand(B, T, S)[:, None]  # (B, 1, T, S)
+        elif packed:
+            # packed documents (no padding, positions restart at 0): attend within the same document only
+            doc = (position_ids == 0).cumsum(-1)
+            mask = ((k_pos[None, :] <= q_pos[:, None]) & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+        freqs = position_ids[:, None, :, None].float() * rope_inv_freq(self.cfg, dev)  # (B, 1, T, D/2)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = freqs.cos().repeat(1, 1, 1, 2).to(x.dtype), freqs.sin().repeat(1, 1, 1, 2).to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, kv_cache, cache_pos)
+        x = self.model.norm(x)
+        if targets is None:
+            return self.lm_head(x)  # (B, T, V) in the model dtype
+        return chunked_logprobs(x, self.lm_head, targets, temperature, return_entropy, logits_chunk)
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "Transformer":
+        path = Path(path)
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"))
+        with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
+            model = cls(cfg)
+        expected = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            source = index
+        else:
+            files, source = ["model.safetensors"], path / "model.safetensors"
+        state = {}
+        for fname in files:
+            with safe_open(path / fname, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    if name not in expected:
+                        if (name == "lm_head.weight" and cfg.tie_word_embeddings) or "rotary_emb" in name:
+                            continue  # redundant copies some exporters write
+                        raise ValueError(f"{path / fname}: unexpected tensor '{name}' for this config")
+                    t = f.get_tensor(name)
+                    if t.shape != expected[name].shape:
+                        raise ValueError(f"{path / fname}: tensor '{name}' has shape {tuple(t.shape)}, config.json "
+                                         f"implies {tuple(expected[name].shape)}")
+                    state[name] = t.to(device=device, dtype=dtype)
+        missing = [n for n in expected if n not in state]
+        if missing:
+            raise ValueError(f"{source}: missing tensor '{missing[0]}'" + (f" (+{len(missing) - 1} more)"
+                                                                           if len(missing) > 1 else ""))
+        model.load_state_dict(state, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.name_or_path = str(path)
+        return model
+
+    def save_pretrained(self, path, tokenizer_dir=None, max_shard_bytes=2 << 30):
+        """config.json + model.safetensors (or shards + index above max_shard_bytes) + tokenizer files copied from
+        tokenizer_dir (default: the directory this model was loaded from, if any)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        dtype = next(self.parameters()).dtype
+        cfg = {**self.cfg.to_hf(), "dtype": str(dtype).removeprefix("torch.")}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        # named_parameters skips the tied lm_head (it is embed_tokens); safetensors refuses shared storage anyway
+        tensors = {n: p.detach().to("cpu").contiguous() for n, p in self.named_parameters()}
+        shards, size = [{}], 0
+        for n, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][n], size = t, size + nbytes
+        for old in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+            old.unlink()  # stale shards from an earlier save would confuse loaders
+        if len(shards) == 1:
+            save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, path / fname, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, fname))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        src = Path(tokenizer_dir or getattr(self, "name_or_path", None) or path)
+        for fname in TOKENIZER_FILES:
+            if (src / fname).exists() and (src / fname).resolve() != (path / fname).resolve():
+                shutil.copy(src / fname, path / fname)
+        return path
