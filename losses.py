@@ -1,0 +1,418 @@
+"""Policy-gradient losses for LLM RL post-training: one nn.Module per paper, plus the small pure functions
+around them (advantage estimators, KL estimators, truncated IS weights, DAPO's reward shaping).
+
+Every loss has the same call (torchforge's contract, extended with the behaviour policy):
+
+    loss_fn = GRPOLoss(clip_low=0.2, clip_high=0.2, beta=0.04)
+    loss, metrics = loss_fn(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None)
+
+    logprobs      (B, T)  log pi_theta(token) at the sampled tokens, requires grad         -> lp
+    ref_logprobs  (B, T)  frozen reference model; None is fine when the loss has no KL term -> ref
+    advantages    (B,) or (B, 1) one per sequence, or (B, T) one per token; detached       -> A
+    padding_mask  (B, T)  1 on response tokens, 0 elsewhere                                 -> m
+    old_logprobs  (B, T)  the behaviour policy that sampled the batch; None = on-policy    -> old
+                          (old = sg(lp): the ratio is exactly 1 but still has d r / d lp = 1)
+    loss          scalar to MINIMISE (minus the paper's objective)
+    metrics       dict of detached 0-d tensors: "loss/pg", "loss/kl", "loss/clip_frac", "loss/ratio_mean", ...
+                  (no .item() here: it would force a device sync every step)
+
+Notation: r = exp(lp - old) the token ratio, sg(.) = stop-gradient, l[i,t] the per-token loss,
+n_i = sum_t m[i,t], N = sum_i n_i, B rows, C a constant token budget.
+
+The aggregation of l into one number is exactly where the papers disagree, so each loss writes its own out as
+the weight w[i,t] = d loss / d l[i,t], and loss = sum(w * l):
+    token-mean            w = m / N        every token weighs the same (DAPO, CISPO, torchforge REINFORCE)
+    seq-mean-token-mean   w = m / (B n_i)  every sequence weighs the same, so a token of a short answer weighs
+                                           more than one of a long answer (GRPO paper, GSPO, SAPO, SimpleGRPO)
+    constant normaliser   w = m / (B C)    no length bias at all (Dr.GRPO)
+A fully masked row has n_i clamped to 1: it adds 0 but still counts in B (torchforge/TRL), and never makes NaN.
+
+Padding hygiene: each loss first overwrites the padding slots of lp/old/ref/A with 0 via torch.where (not m*x,
+since 0 * inf = NaN), so junk there cannot reach the value and the gradient at padding is exactly 0.
+
+Train/inference mismatch: when `old` comes from vLLM instead of the trainer, pass A[:, None] * tis_weights(...)
+as (B, T) advantages. Every loss here is positively homogeneous in A token by token (the clip/gate pattern
+depends only on sign(A)), so this is exactly weighting each token's loss by its truncated IS weight.
+Entropy bonus: add entropy_bonus(entropy, mask, coef) to the loss (entropy from model.forward(return_entropy=True)).
+
+Left out on purpose: critics/GAE; verl's [-20, 20] clamp on lp - old (an overflow at a real token is a real
+divergence and should show up, not be hidden); global token counts across ranks (the trainer owns that).
+Spec with worked examples: ../shared/specs/losses.md.
+"""
+import math
+
+import torch
+from torch import nn
+
+
+def kl_estimate(logp, ref_logp, kind="k3"):
+    """Per-token estimators of KL(pi || pi_ref) at tokens sampled from pi (Schulman 2020,
+    http://joschu.net/blog/kl-approx.html), with d = logp - ref_logp:
+        k1 = d                    unbiased, can be negative; grad 1
+        k2 = d^2 / 2              biased, >= 0; grad d
+        k3 = exp(-d) + d - 1      unbiased, >= 0 (DeepSeekMath eq. 4, verl "low_var_kl"); grad 1 - exp(-d)"""
+    d = logp - ref_logp
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d * d
+    if kind == "k3":
+        return torch.expm1(-d) + d  # expm1: no cancellation when lp ~ ref, where k3 ~ d^2/2 is tiny
+    raise ValueError(f"kl must be one of 'k1', 'k2', 'k3', got {kind!r}")
+
+
+def _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs, need_ref=False, who="loss"):
+    """Plumbing shared by all losses (shapes, on-policy default, padding hygiene); the math stays in each loss.
+    Returns m (float mask), lp, old, ref (or None), A (B, T), all zero at padding."""
+    keep = padding_mask.bool()
+    lp = torch.where(keep, logprobs, 0.0)  # where, not m*x: junk (even inf) at padding cannot become NaN
+    old = lp.detach() if old_logprobs is None else torch.where(keep, old_logprobs.detach(), 0.0)
+    if need_ref and ref_logprobs is None:
+        raise ValueError(f"{who} has beta > 0 and needs ref_logprobs (or set beta=0.0)")
+    # ref is NOT detached: callers pass a frozen model's logprobs (torchforge's test expects ref to get a grad)
+    ref = None if ref_logprobs is None else torch.where(keep, ref_logprobs, 0.0)
+    adv = advantages.detach().to(lp.dtype)
+    adv = torch.where(keep, (adv[:, None] if adv.dim() == 1 else adv).expand_as(lp), 0.0)
+    return keep.to(lp.dtype), lp, old, ref, adv
+
+
+def _token_mean(x, m):
+    """Masked mean over all real tokens, for metrics (detached)."""
+    return ((x * m).sum() / m.sum().clamp(min=1)).detach()
+
+
+class SimpleGRPOLoss(nn.Module):
+    """SimpleGRPO, torchforge's `SimpleGRPOLoss`: on-policy GRPO, no clipping, k3 KL in the loss.
+
+        l_t = -(exp(lp_t - sg(lp_t)) * A - beta * k3(lp_t, ref_t)),   loss = seq-mean-token-mean(l)
+
+    The ratio is exactly 1 (value -A + beta*k3) with gradient 1: d l / d lp = -A + beta * (1 - exp(ref - lp)).
+    Paper: DeepSeekMath (arXiv 2402.03300) eq. 3 in its single-update case, as coded in meta-pytorch/torchforge.
+    vs GRPOLoss: equals GRPOLoss(kl="k3", agg="seq_mean_token_mean") with old = sg(lp), where no clip can fire.
+    NOTE: it hard-codes on-policy, so `old_logprobs` is accepted for the common signature and IGNORED; use
+    GRPOLoss for several updates per batch. beta=0.1 is torchforge's default (the paper's is 0.04).
+    """
+
+    def __init__(self, beta: float = 0.1):
+        super().__init__()
+        self.beta = beta
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, _, ref, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, None,
+                                      self.beta > 0, "SimpleGRPOLoss")
+        ratio = torch.exp(lp - lp.detach())  # == 1, but d ratio / d lp == 1
+        pg = -ratio * adv
+        kl = kl_estimate(lp, ref, "k3") if ref is not None else torch.zeros_like(lp)
+        w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])  # seq-mean-token-mean
+        loss = (w * (pg + self.beta * kl)).sum()
+        return loss, {"loss/pg": (w * pg).sum().detach(), "loss/kl": (w * kl).sum().detach()}
+
+
+class ReinforceLoss(nn.Module):
+    """REINFORCE with a clamped, detached importance weight (torchforge's `ReinforceLoss`).
+
+        w_t = clamp(sg(exp(lp_t - old_t)), is_min, is_max),   l_t = -w_t * A * lp_t,   loss = token-mean(l)
+
+    Gradient -w*A on EVERY token: the weight is detached and clamped, so a token far off-policy still learns
+    (with a bounded weight), where PPO-clip would drop it. The value is -A*lp*w, a surrogate, not ~ -A.
+    Paper: Williams 1992; the IS form is torchforge's (meta-pytorch/torchforge src/forge/losses/reinforce_loss.py).
+    vs CISPOLoss: the same per-token form, but CISPO's weight is capped one-sided at 1 + eps_high only.
+    """
+
+    def __init__(self, is_min: float = 0.1, is_max: float = 10.0):
+        super().__init__()
+        self.is_min, self.is_max = is_min, is_max
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        ratio = torch.exp(lp - old).detach()
+        is_w = ratio.clamp(self.is_min, self.is_max)
+        pg = -is_w * adv * lp
+        w = m / m.sum().clamp(min=1)  # token-mean
+        loss = (w * pg).sum()
+        clipped = (ratio < self.is_min) | (ratio > self.is_max)
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": _token_mean(ratio, m)}
+
+
+class GRPOLoss(nn.Module):
+    """GRPO: PPO-clip surrogate with a KL penalty inside the loss (DeepSeekMath, arXiv 2402.03300, eq. 3).
+
+        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A) + beta * k(lp_t, ref_t),  r_t = exp(lp_t - old_t)
+        loss = seq-mean-token-mean(l)   (the paper's 1/G sum_i 1/|o_i| sum_t)   or agg="token_mean" (verl default)
+
+    Zero pg-gradient exactly on {A > 0, r > 1 + clip_high} u {A < 0, r < 1 - clip_low}; all other tokens,
+    in range or not, get -A*r. beta=0.04 and k3 are the paper's. dual_clip=c > 1 (verl, off by default, not in
+    the paper) also caps l at -A*c when A < 0, zeroing the gradient of tokens with r > c.
+    vs SimpleGRPOLoss: that is this with old = sg(lp). vs DAPOLoss: KL term, symmetric clip, per-sequence mean.
+    """
+
+    def __init__(self, clip_low=0.2, clip_high=0.2, beta=0.04, kl="k3", agg="seq_mean_token_mean", dual_clip=None):
+        super().__init__()
+        if agg not in ("seq_mean_token_mean", "token_mean"):
+            raise ValueError(f"agg must be 'seq_mean_token_mean' or 'token_mean', got {agg!r}")
+        if dual_clip is not None and dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        if kl not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl must be one of 'k1', 'k2', 'k3', got {kl!r}")
+        self.clip_low, self.clip_high, self.beta, self.kl, self.agg = clip_low, clip_high, beta, kl, agg
+        self.dual_clip = dual_clip
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, ref, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs,
+                                        self.beta > 0, "GRPOLoss")
+        ratio = torch.exp(lp - old)
+        pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv)
+        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        if self.dual_clip is not None:  # lower-bound the objective of A < 0 tokens at c*A
+            pg = torch.where(adv < 0, torch.minimum(pg, -adv * self.dual_clip), pg)
+        kl = kl_estimate(lp, ref, self.kl) if ref is not None else torch.zeros_like(lp)
+        if self.agg == "token_mean":
+            w = m / m.sum().clamp(min=1)
+        else:  # seq-mean-token-mean: mean over each row's tokens, then over rows (empty rows count in B)
+            w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])
+        loss = (w * (pg + self.beta * kl)).sum()
+        return loss, {"loss/pg": (w * pg).sum().detach(), "loss/kl": (w * kl).sum().detach(),
+                      "loss/clip_frac": _token_mean(clipped.to(m.dtype), m), "loss/ratio_mean": _token_mean(ratio, m)}
+
+
+class DrGRPOLoss(nn.Module):
+    """Dr.GRPO, "GRPO Done Right" (arXiv 2503.20783): GRPO's PPO-clip with a CONSTANT normaliser, no KL.
+
+        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),   loss = sum_{i,t} m l / (B * C)
+
+    C = max_tokens, the generation budget, the same for every batch (the authors' oat code, TRL "dr_grpo").
+    Every token weighs 1/(B*C) whatever its sequence's length: GRPO's 1/n_i rewards short correct answers and
+    excuses long wrong ones; this removes that bias. Pair with drgrpo_advantages (no std division).
+    vs GRPOLoss: per-token identical (beta=0); only the normaliser differs. verl's variant omits the /B.
+    """
+
+    def __init__(self, max_tokens: int, clip_low=0.2, clip_high=0.2):
+        super().__init__()
+        self.max_tokens, self.clip_low, self.clip_high = max_tokens, clip_low, clip_high
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        ratio = torch.exp(lp - old)
+        pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv)
+        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        w = m / (m.shape[0] * self.max_tokens)  # constant normaliser: no length in the weight
+        loss = (w * pg).sum()
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": _token_mean(ratio, m)}
+
+
+class DAPOLoss(nn.Module):
+    """DAPO (arXiv 2503.14476, eqs. 8-12): PPO-clip with decoupled "Clip-Higher" bounds, token-mean, no KL.
+
+        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),   loss = sum_{i,t} m l / sum_i n_i
+
+    clip_high = 0.28 > clip_low = 0.2 lets low-probability tokens with A > 0 grow further before clipping
+    (against entropy collapse). Token-level mean: long sequences get proportionally more weight.
+    The rest of DAPO is outside the loss: zero_std_groups (dynamic sampling), overlong_penalty (reward).
+    vs GRPOLoss: equals GRPOLoss(clip_high=0.28, beta=0, agg="token_mean").
+    """
+
+    def __init__(self, clip_low=0.2, clip_high=0.28):
+        super().__init__()
+        self.clip_low, self.clip_high = clip_low, clip_high
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        ratio = torch.exp(lp - old)
+        pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv)
+        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        w = m / m.sum().clamp(min=1)  # token-mean over the whole batch
+        loss = (w * pg).sum()
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": _token_mean(ratio, m)}
+
+
+class CISPOLoss(nn.Module):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): clip the detached IS weight, never drop a token.
+
+        r_hat_t = clip(sg(r_t), 1 - clip_low, 1 + clip_high),   l_t = -r_hat_t * A * lp_t,   loss = token-mean(l)
+
+    The gradient -r_hat*A reaches every token, clipped ones included (with the capped weight): PPO-clip drops
+    the rare high-ratio "fork" tokens that matter for long reasoning. clip_low=None (no lower bound) as in the
+    paper. NOTE: MiniMax do not disclose their eps_high; 4.0 (cap 5.0) is ScaleRL/TRL's value.
+    vs ReinforceLoss: same surrogate; the weight is capped only above (verl's two-sided: clip_low=0.2, clip_high=0.2).
+    """
+
+    def __init__(self, clip_high=4.0, clip_low=None):
+        super().__init__()
+        self.clip_high, self.clip_low = clip_high, clip_low
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        ratio = torch.exp(lp - old).detach()
+        low = None if self.clip_low is None else 1 - self.clip_low
+        pg = -ratio.clamp(min=low, max=1 + self.clip_high) * adv * lp
+        clipped = ratio > 1 + self.clip_high
+        if low is not None:
+            clipped = clipped | (ratio < low)
+        w = m / m.sum().clamp(min=1)  # token-mean
+        loss = (w * pg).sum()
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": _token_mean(ratio, m)}
+
+
+class GSPOLoss(nn.Module):
+    """GSPO (Qwen, arXiv 2507.18071, eqs. 5-7 and 13-14): one length-normalised ratio per sequence.
+
+        s_i = (pi(y_i) / pi_old(y_i))^(1/n_i) = exp(sum_t m (lp - old) / n_i)
+        level="sequence":  loss = -1/B sum_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+        level="token":     s_it = sg(s_i) exp(lp_t - sg(lp_t)),
+                           loss = seq-mean-token-mean(-min(s_it A_t, clip(s_it) A_t))
+
+    A clipped sequence loses the gradient of ALL its tokens; others give each token -A_i s_i / (B n_i).
+    GSPO-token equals GSPO for per-sequence A (the paper's claim, tested) and also takes per-token A,
+    e.g. with folded-in TIS weights; level="sequence" requires per-sequence A. The tiny clip range
+    3e-4 / 4e-4 (section 5.1) fits a ratio of geometric means. Empty rows contribute 0 and count in B.
+    vs GRPOLoss: the ratio and the clip decision are per sequence, not per token; no KL.
+    """
+
+    def __init__(self, clip_low=3e-4, clip_high=4e-4, level="sequence"):
+        super().__init__()
+        if level not in ("sequence", "token"):
+            raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
+        self.clip_low, self.clip_high, self.level = clip_low, clip_high, level
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        n = m.sum(-1).clamp(min=1)
+        s = torch.exp(((lp - old) * m).sum(-1) / n)  # (B,) masked mean log-ratio: padding never enters
+        lo, hi = 1 - self.clip_low, 1 + self.clip_high
+        if self.level == "sequence":
+            if advantages.dim() == 2 and advantages.shape[1] != 1:
+                raise ValueError("GSPOLoss(level='sequence') needs one advantage per sequence; use level='token'")
+            a = advantages.detach().to(lp.dtype).reshape(-1)
+            seq = torch.maximum(-s * a, -s.clamp(lo, hi) * a) * (m.sum(-1) > 0)  # empty rows add 0
+            loss = seq.sum() / m.shape[0]
+            clipped = ((a > 0) & (s > hi)) | ((a < 0) & (s < lo))
+            clip_frac = _token_mean(clipped[:, None].to(m.dtype).expand_as(m), m)
+        else:
+            s_tok = s.detach()[:, None] * torch.exp(lp - lp.detach())  # value s_i, gradient of lp_t
+            pg = torch.maximum(-s_tok * adv, -s_tok.clamp(lo, hi) * adv)
+            w = m / (n[:, None] * m.shape[0])  # seq-mean-token-mean
+            loss = (w * pg).sum()
+            clipped = ((adv > 0) & (s_tok > hi)) | ((adv < 0) & (s_tok < lo))
+            clip_frac = _token_mean(clipped.to(m.dtype), m)
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": clip_frac,
+                      "loss/ratio_mean": _token_mean(s[:, None].expand_as(m), m)}
+
+
+class SAPOLoss(nn.Module):
+    """SAPO (Qwen, arXiv 2511.20347): a smooth sigmoid gate instead of a hard clip.
+
+        f(r; tau) = sigmoid(tau (r - 1)) * 4 / tau,  tau = tau_pos if A > 0 else tau_neg
+        l_t = -f(r_t; tau_t) A,   loss = seq-mean-token-mean(l)
+
+    d l / d lp = -A * 4 sig (1 - sig) r: equal to GRPO's -A on-policy (f'(1) = 1), decaying smoothly as r
+    leaves 1 but never exactly 0. The on-policy VALUE is -(2/tau) A, not -A. tau_neg = 1.05 > tau_pos makes
+    negative-advantage tokens decay faster (the paper's most stable setting; verl/TRL defaults).
+    vs GRPOLoss: no hard clip (no dropped tokens), no KL.
+    """
+
+    def __init__(self, tau_pos=1.0, tau_neg=1.05):
+        super().__init__()
+        self.tau_pos, self.tau_neg = tau_pos, tau_neg
+
+    def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        ratio = torch.exp(lp - old)
+        tau = torch.where(adv > 0, self.tau_pos, self.tau_neg).to(lp.dtype)
+        gate = torch.sigmoid(tau * (ratio - 1))
+        pg = -gate * (4 / tau) * adv
+        w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])  # seq-mean-token-mean
+        loss = (w * pg).sum()
+        return loss, {"loss/pg": loss.detach(), "loss/ratio_mean": _token_mean(ratio, m),
+                      "loss/gate_grad_mean": _token_mean(4 * gate * (1 - gate), m)}  # 1 on-policy
+
+
+LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "cispo": CISPOLoss, "gspo": GSPOLoss,
+          "sapo": SAPOLoss, "simple_grpo": SimpleGRPOLoss, "reinforce": ReinforceLoss}
+
+
+# ---- advantage estimators: rewards (P prompts, G samples per prompt) -> advantages (P, G), no grad ----
+
+def _as_float(x):
+    x = torch.as_tensor(x)
+    return x if x.is_floating_point() else x.to(torch.get_default_dtype())
+
+
+def group_advantages(rewards, eps=1e-6):
+    """GRPO (DeepSeekMath section 4.1.2): A = (R - mean_g R) / (std_g R + eps) within each prompt's group.
+    std is unbiased (ddof=1) as in verl/TRL/torchforge; eps=1e-6 is verl's (TRL/torchforge use 1e-4).
+    A group of size 1 has nothing to compare against: its advantage is 0 (verl's convention)."""
+    r = _as_float(rewards)
+    if r.shape[-1] < 2:
+        return torch.zeros_like(r)
+    return (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + eps)
+
+
+def drgrpo_advantages(rewards):
+    """Dr.GRPO: A = R - mean_g R. Dividing by std up-weights near-unanimous (too easy / too hard) groups."""
+    r = _as_float(rewards)
+    return r - r.mean(-1, keepdim=True)
+
+
+def rloo_advantages(rewards):
+    """RLOO (arXiv 2402.14740): baseline = mean of the OTHER G-1 samples, A = G/(G-1) (R - mean_g R).
+    Unbiased: the baseline does not depend on the sample it scores. Group of size 1: 0."""
+    r = _as_float(rewards)
+    g = r.shape[-1]
+    return torch.zeros_like(r) if g < 2 else g / (g - 1) * (r - r.mean(-1, keepdim=True))
+
+
+def reinforce_pp_advantages(rewards, group_baseline=False, eps=1e-8):
+    """REINFORCE++ (arXiv 2501.03262v1, eqs. 4-8): whiten over the WHOLE batch, not per group:
+    A = (R - mean_batch) / (std_batch + eps), ddof=1. group_baseline=True is verl's "REINFORCE++-baseline":
+    subtract each group's mean first, then whiten the batch. NOTE: sequence-level rewards; the paper's per-token
+    return R - beta * sum_{s>=t} k1_s (KL in the reward) is for the caller to form before whitening."""
+    r = _as_float(rewards)
+    if group_baseline:
+        r = r - r.mean(-1, keepdim=True)
+    if r.numel() < 2:
+        return torch.zeros_like(r)
+    return (r - r.mean()) / (r.std() + eps)
+
+
+def zero_std_groups(rewards):
+    """DAPO dynamic sampling: (P,) bool, True for groups whose rewards are all equal (all right or all wrong).
+    Their advantages are all 0 so they carry no gradient; DAPO drops them and samples more prompts."""
+    r = torch.as_tensor(rewards)
+    return r.amax(-1) == r.amin(-1)
+
+
+def overlong_penalty(lengths, max_len, cache_len):
+    """DAPO soft overlong punishment (eq. 13), ADDED to the correctness reward, with L = response length:
+        0 if L <= max_len - cache_len;  (max_len - cache_len - L) / cache_len up to max_len;  -1 beyond."""
+    L = _as_float(lengths)
+    soft = max_len - cache_len
+    return torch.where(L <= soft, 0.0, torch.where(L <= max_len, (soft - L) / cache_len, -1.0)).to(L.dtype)
+
+
+def tis_weights(logp, gen_logp, mask, cap, level="token"):
+    """Truncated importance sampling for the trainer/generator mismatch (vLLM's logprobs differ from the
+    trainer's even for the same weights; Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"; verl's rollout_is). logp: the trainer's logprobs of the behaviour policy.
+        token:     w_t = min(exp(logp_t - gen_t), cap)
+        sequence:  w_i = min(exp(sum_t m (logp_t - gen_t)), cap), the same for every token of row i
+    (the full sequence ratio; GSPO's s_i is its n_i-th root). Detached, 0 on padding, shape (B, T).
+    Use: loss_fn(lp, ref, A[:, None] * w, mask, old_logprobs=logp)."""
+    keep = mask.bool()
+    d = torch.where(keep, (logp - gen_logp).detach(), 0.0)
+    if level == "sequence":
+        d = d.sum(-1, keepdim=True).expand_as(d)
+    elif level != "token":
+        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    w = torch.exp(d.clamp(max=math.log(cap)))  # clamp in log space: exp(sum) may overflow before the cap
+    return torch.where(keep, w, 0.0)
+
+
+def entropy_bonus(entropy, mask, coef):
+    """Term to ADD to the loss for an entropy bonus: -coef * token-mean(entropy) over response tokens
+    (minimising it raises entropy). entropy (B, T) from model.forward(..., return_entropy=True)."""
+    keep = mask.bool()
+    return -coef * torch.where(keep, entropy, 0.0).sum() / keep.sum().clamp(min=1)
