@@ -1,0 +1,104 @@
+"""Configs: dataclass sections with defaults, a Python config file, then `--section.field=value`.
+
+A trainer declares its knobs as small dataclasses at the top of its file (one comment per field)
+and calls `parse(sections, argv)`. A config file is plain Python run with the sections as its
+globals, so `loss.beta = 0.0` assigns onto the dataclass. Typos are errors that name the closest
+valid key (`loss.bta` -> did you mean `loss.beta`?), a value of the wrong type is an error naming
+the field, and a stray top-level variable in a config file is an error too: a silent new variable
+is how a long run trains with the wrong settings. Cross-field checks belong to the trainer.
+"""
+import ast
+import dataclasses
+import difflib
+import typing
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _closest(name, options, prefix=""):
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    if close:
+        return f" (did you mean '{prefix}{close[0]}'?)"
+    return f" (valid: {', '.join(prefix + o for o in sorted(options))})"
+
+
+def _check(section, name, value, typ):
+    """Coerce CLI strings and check types: int is fine where float is wanted, None where Optional."""
+    args = typing.get_args(typ)
+    if type(None) in args:
+        if value is None or value == "None":
+            return None
+        typ = next(a for a in args if a is not type(None))
+    if isinstance(value, str) and typ is not str:
+        try:
+            value = value.lower() == "true" if typ is bool and value.lower() in ("true", "false") \
+                else ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"{section}.{name}: cannot parse {value!r} as {getattr(typ, '__name__', typ)}")
+    origin = typing.get_origin(typ) or typ
+    ok = isinstance(value, origin) and not (origin in (int, float) and isinstance(value, bool))
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if origin in (list, tuple) and isinstance(value, (list, tuple)):
+        value, ok = origin(value), True
+    if not ok:
+        raise ConfigError(f"{section}.{name}: expected {getattr(origin, '__name__', origin)}, got {value!r}")
+    return value
+
+
+class _Section:
+    """Wraps a dataclass instance so that assigning an unknown field fails with a suggestion."""
+
+    def __init__(self, name, obj):
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_obj", obj)
+        object.__setattr__(self, "_types", typing.get_type_hints(type(obj)))
+
+    def __getattr__(self, key):
+        if key not in self._types:
+            raise ConfigError(f"unknown config key '{self._name}.{key}'{_closest(key, self._types, self._name + '.')}")
+        return getattr(self._obj, key)
+
+    def __setattr__(self, key, value):
+        if key not in self._types:
+            raise ConfigError(f"unknown config key '{self._name}.{key}'{_closest(key, self._types, self._name + '.')}")
+        setattr(self._obj, key, _check(self._name, key, value, self._types[key]))
+
+
+def parse(sections: dict, argv: list[str]) -> dict:
+    """Apply config files (positional) then `--section.field=value` overrides onto `sections`."""
+    wrapped = {name: _Section(name, obj) for name, obj in sections.items()}
+    for arg in argv:
+        if arg.startswith("--"):
+            continue
+        try:
+            code = open(arg).read()
+        except OSError as e:
+            raise ConfigError(f"config file not found: {arg} ({e.strerror})") from None
+        scope = dict(wrapped)
+        try:
+            exec(compile(code, arg, "exec"), scope)
+        except NameError as e:
+            raise ConfigError(f"{arg}: {e}{_closest(e.name, sections)}") from None
+        stray = [k for k, v in scope.items() if k not in wrapped and not k.startswith("_")
+                 and not isinstance(v, type(ast)) and k != "__builtins__"]
+        if stray:
+            raise ConfigError(f"{arg}: top-level name '{stray[0]}' is not a config section"
+                              f"{_closest(stray[0], sections)}; assign fields like `loss.beta = 0.0`")
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        section, _, field = key.partition(".")
+        if not eq or not field:
+            raise ConfigError(f"bad override {arg!r}: expected --section.field=value")
+        if section not in wrapped:
+            raise ConfigError(f"unknown config section '{section}'{_closest(section, sections)}")
+        setattr(wrapped[section], field, value)
+    return sections
+
+
+def to_dict(sections: dict) -> dict:
+    return {name: dataclasses.asdict(obj) for name, obj in sections.items()}

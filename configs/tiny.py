@@ -1,0 +1,25 @@
+# CPU: 1 trainer + 1 vLLM generator rank on the synthetic arithmetic task (../shared notes: tiny-task).
+#   torchrun --nproc_per_node=2 train_grpo.py configs/tiny.py
+# Starts from the SFT demo's output when it exists, else from a random tiny checkpoint made on the spot
+# (a fresh clone needs no prior step; that model answers nothing right, so reward stays ~0).
+import os
+
+model.path = "out/demo/sft/hf" if os.path.exists("out/demo/sft/hf/config.json") else "out/tiny/init"
+model.make_tiny = model.path == "out/tiny/init"
+data.name = "arith"
+data.min_digits = 2                 # RL and eval on 2-digit operands (SFT saw 1-2 digits)
+rollout.prompts_per_step = 32       # B
+rollout.group_size = 8              # G: 32 x 8 = 256 completions per step, ~17 tokens each
+rollout.max_tokens = 40
+loss.name = "grpo"
+loss.kwargs = {"beta": 0.0, "agg": "token_mean"}   # the calibrated setting: token-mean PG, no KL
+loss.adv_eps = 1e-4
+optim.lr = 3e-4
+optim.betas = (0.9, 0.99)
+optim.grad_clip = 1.0
+train.steps = 250
+train.micro_batch = 256             # one forward/backward for the whole batch (tiny model)
+dist.generator_ranks = 1
+eval.every = 50
+eval.num_problems = 500
+log.run = "tiny"
