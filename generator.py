@@ -1,0 +1,314 @@
+"""Rollout generation: turn prompt token ids into sampled completions with per-token logprobs.
+
+Two backends behind one API, chosen by `generator.backend = "vllm" | "torch"` (vLLM wherever it imports):
+
+    gen = make_generator(default_backend(), "path/to/hf_ckpt")
+    groups = gen.generate(prompt_ids, n=8, temperature=1.0, max_tokens=256, stop_token_ids=tok.eos_token_ids)
+    groups[i][j].token_ids, groups[i][j].logprobs        # prompt i, sample j
+    gen.update_weights(model.named_parameters(), version=step)   # after each optimizer step
+
+* `VLLMGenerator`: an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the model lives in this
+  process and we can reach its weights). Prompts go in as token ids and nothing is detokenised in the hot path
+  (SamplingParams(detokenize=False), skip_tokenizer_init): text is decoded once per batch at the end, which is
+  ~10x faster on CPU. KV-cache memory is an explicit byte count, never a fraction of the machine (vLLM's default
+  0.92 of RAM is refused on a shared CPU box); `max_num_seqs` should be >= prompts * n so a rollout batch is one
+  engine batch.
+* `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated KVCache (once per
+  prompt, then copied to its n samples), then one batched decode step per token with temperature / top-k / top-p
+  sampling and per-row stop tokens. For machines without vLLM, and as the reference in tests.
+
+Logprobs. Each Completion carries logp_t = log softmax(logits_t / T)[token_t] in fp32: the log-probability under the
+policy that actually sampled (vLLM's `logprobs_mode="processed_logprobs"`); model.py's forward(targets=,
+temperature=T) computes the same quantity. Why the tempered policy and not the raw one: the losses' old_logprobs
+(PPO ratio) and truncated importance sampling correct for the behaviour policy, and sampling at T != 1 *is* a
+different policy from the T=1 model. At T=0 (greedy) there is no tempering: logp = log softmax(logits). Known gap:
+with top-k/top-p on, the behaviour policy is renormalised over the kept tokens; both generators report that
+renormalised logp (they sample from it), while the trainer's log_softmax(logits/T) is not renormalised. The two
+differ by log(mass of the kept tokens); leave top_k/top_p off for RL, or accept that bias.
+
+Stop tokens: `stop_token_ids=None` means the checkpoint's eos ids (generation_config.json, else config.json).
+The stop token is kept in token_ids (with its logprob) and finish_reason is "stop"; hitting max_tokens (or
+max_model_len) is "length". A stop token on the last allowed step counts as "stop", as in vLLM.
+
+Start order on a torchrun rank (dedicated generator ranks, and colocated mode where every rank hosts an engine):
+build VLLMGenerator FIRST, then call gen.release_default_group(), then dist.init_process_group(). vLLM's engine
+start calls init_process_group itself (a private 1-rank file:// group) when torch.distributed is not initialised;
+if the torchrun world already exists it adopts it instead and makes a series of collective new_group() calls over
+all ranks, which the trainer ranks never join: a deadlock. release_default_group() destroys the private group
+(vLLM's groups all have size 1 and never communicate) and detaches vLLM's shutdown finalizer, which would otherwise
+destroy *our* world group at exit. In plain python (a world of 1) it is harmless to call.
+
+Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA, stop strings.
+"""
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]           # generated tokens, stop token included when finish_reason == "stop"
+    text: str                      # decoded once at the end, special tokens skipped
+    logprobs: list[float]          # fp32 log softmax(logits/T) at each generated token (see module docstring)
+    finish_reason: str             # "stop" | "length"
+    generator_version: int         # weight version that produced it (see update_weights)
+    metadata: dict = field(default_factory=dict)
+
+
+def default_backend() -> str:
+    try:
+        import vllm  # noqa: F401
+        return "vllm"
+    except ImportError:
+        return "torch"
+
+
+def make_generator(backend: str, model_path, **kw):
+    if backend == "vllm":
+        return VLLMGenerator(model_path, **kw)
+    if backend == "torch":
+        return TorchGenerator(model_path, **kw)
+    raise ValueError(f"generator.backend must be 'vllm' or 'torch', got {backend!r}")
+
+
+def check_completions(groups, num_prompts: int, n: int):
+    """A generator that silently drops samples would surface later as a shape error far from the cause."""
+    if len(groups) != num_prompts:
+        raise RuntimeError(f"generator returned {len(groups)} completion groups for {num_prompts} prompts")
+    for i, g in enumerate(groups):
+        if len(g) != n:
+            raise RuntimeError(f"generator returned {len(g)} completions for prompt {i}, expected n={n}")
+    return groups
+
+
+def eos_token_ids(model_path) -> list[int]:
+    """The checkpoint's end-of-sequence ids: generation_config.json first (it may list several), then config.json."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_path) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def _decoder(model_path):
+    """decode_batch from the checkpoint's tokenizer.json, or None (then text is "")."""
+    f = Path(model_path) / "tokenizer.json" if model_path is not None else None
+    if f is None or not f.exists():
+        return None
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(f))
+    return lambda seqs: tok.decode_batch(seqs, skip_special_tokens=True)
+
+
+def _check_args(prompt_ids, n, temperature, max_tokens):
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("generate needs a non-empty list of non-empty prompts (lists of token ids)")
+    if n < 1 or max_tokens < 1 or temperature < 0:
+        raise ValueError(f"need n >= 1, max_tokens >= 1, temperature >= 0 (got {n}, {max_tokens}, {temperature})")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vLLM
+
+
+class VLLMGenerator:
+    def __init__(self, model_path, *, max_model_len=1024, kv_cache_memory_bytes=256 << 20, max_num_seqs=256,
+                 dtype="float32", seed=0, enforce_eager=True, gpu_memory_utilization=None):
+        # In-process engine: required to reach the model runner for in-place weight updates.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+        mem = (dict(gpu_memory_utilization=gpu_memory_utilization) if gpu_memory_utilization is not None
+               else dict(kv_cache_memory_bytes=kv_cache_memory_bytes))
+        self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       seed=seed, enforce_eager=enforce_eager, skip_tokenizer_init=True,
+                       logprobs_mode="processed_logprobs", **mem)
+        self.model_path, self.max_num_seqs, self.version = str(model_path), max_num_seqs, 0
+        self.eos_ids, self._decode = eos_token_ids(model_path), _decoder(model_path)
+
+    def release_default_group(self):
+        """Call after __init__ and before dist.init_process_group() (see the module docstring for why)."""
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()  # vLLM's private 1-rank group (and its size-1 subgroups)
+        # NOTE: private attribute. vLLM's finalizer runs destroy_model_parallel + destroy_process_group at exit,
+        # which would raise on the dead groups above and then tear down our torchrun world group.
+        self.llm.llm_engine.engine_core._finalizer.detach()
+
+    def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
+                 stop_token_ids=None, seed=None) -> list[list[Completion]]:
+        from vllm import SamplingParams, TokensPrompt
+        _check_args(prompt_ids, n, temperature, max_tokens)
+        stop = self.eos_ids if stop_token_ids is None else list(stop_token_ids)
+
+        # One request per (prompt, sample) with n=1: vLLM rejects greedy with n>1, and a per-request seed
+        # seed + i*n + j makes every sample reproducible on its own. vLLM's own n>1 fans out the same way.
+        def params(s):
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                  stop_token_ids=stop, ignore_eos=True,  # stop exactly on `stop`, nothing else
+                                  seed=s, logprobs=0, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(n)]
+        sp = params(None) if seed is None else [params(seed + k) for k in range(len(prompts))]
+        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+
+        rows = [o.outputs[0] for o in outs]
+        texts = self._decode([list(r.token_ids) for r in rows]) if self._decode else [""] * len(rows)
+        groups = [[] for _ in prompt_ids]
+        for k, (r, text) in enumerate(zip(rows, texts)):
+            toks = list(r.token_ids)
+            logp = [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]
+            groups[k // n].append(Completion(
+                prompt_ids=list(prompt_ids[k // n]), token_ids=toks, text=text, logprobs=logp,
+                finish_reason="stop" if r.finish_reason == "stop" else "length", generator_version=self.version,
+                metadata={"backend": "vllm", "sample_index": k % n}))
+        return check_completions(groups, len(prompt_ids), n)
+
+    def _load_weights(self, named_tensors):
+        """Reload HF-named tensors in place. Not enough on its own: the prefix cache still holds old-weight KV."""
+        # On CPU vLLM repacks linear weights for oneDNN and leaves empty Parameters behind, so model.load_weights
+        # fails; reload_weights rebuilds each layer and re-runs the repacking. It reprocesses only one owner of a
+        # tied parameter, so a tied lm_head keeps a packed copy of the old embedding: repack it by hand.
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        model = runner.get_model()
+        lm_head, embed = getattr(model, "lm_head", None), model.model.embed_tokens
+        if lm_head is not None and lm_head is not embed and getattr(lm_head, "weight", None) is embed.weight:
+            lm_head.quant_method.process_weights_after_loading(lm_head)
+
+    def update_weights(self, named_tensors, version: int):
+        """named_tensors: iterable of (hf_name, tensor), e.g. model.named_parameters(). Call with no request in
+        flight. The prefix-cache reset matters: cached KV blocks computed with the old weights would otherwise be
+        reused for repeated prompts (measured logprob error ~1.8)."""
+        self._load_weights(named_tensors)
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def sleep(self):
+        self.llm.sleep(level=1)  # GPU colocated mode: frees weights + KV. On CPU vLLM logs and does nothing.
+
+    def wake_up(self):
+        self.llm.wake_up()       # no-op on CPU as well
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pure torch
+
+
+def sample(logits, temperature, top_k, top_p, generator):
+    """logits (R, V) fp32 -> tokens (R,), logp (R,) under the distribution sampled from (module docstring)."""
+    if temperature == 0:
+        tok = logits.argmax(-1)
+        return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+    logits = logits / temperature
+    if 0 < top_k < logits.size(-1):  # like vLLM: keep every token >= the k-th largest logit (ties included)
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:                  # like vLLM: drop the smallest tokens whose total mass is <= 1 - p
+        sorted_logits, idx = logits.sort(dim=-1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False          # keep at least one
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    logp_all = torch.log_softmax(logits, -1)
+    # Gumbel-style exponential race == a categorical draw from softmax(logits); one kernel for the whole batch.
+    q = torch.empty_like(logp_all).exponential_(1.0, generator=generator)
+    tok = (logp_all.exp() / q).argmax(-1)
+    return tok, logp_all.gather(-1, tok[:, None])[:, 0]
+
+
+class TorchGenerator:
+    def __init__(self, model_or_path, *, max_model_len=1024, dtype=torch.float32, device="cpu", seed=0,
+                 tokenizer_path=None):
+        import model as model_lib
+        self._lib = model_lib
+        if isinstance(model_or_path, torch.nn.Module):  # share the trainer's module (colocated, tests)
+            self.model, path = model_or_path, tokenizer_path
+        else:
+            path = tokenizer_path or model_or_path
+            self.model = model_lib.Transformer.from_pretrained(model_or_path, dtype=dtype, device=device)
+        self.model.eval()
+        self.max_model_len, self.version = max_model_len, 0
+        self.device = next(self.model.parameters()).device
+        self.eos_ids, self._decode = (eos_token_ids(path) if path else []), _decoder(path)
+        self.rng = torch.Generator(self.device).manual_seed(seed)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
+                 stop_token_ids=None, seed=None) -> list[list[Completion]]:
+        _check_args(prompt_ids, n, temperature, max_tokens)
+        stop = torch.tensor(self.eos_ids if stop_token_ids is None else list(stop_token_ids), dtype=torch.long,
+                            device=self.device)
+        rng = self.rng if seed is None else torch.Generator(self.device).manual_seed(seed)
+        B, P, dev = len(prompt_ids), max(len(p) for p in prompt_ids), self.device
+        if P >= self.max_model_len:
+            raise ValueError(f"prompt of {P} tokens does not fit max_model_len={self.max_model_len}")
+        T = min(max_tokens, self.max_model_len - P)
+        cfg, dtype = self.model.cfg, next(self.model.parameters()).dtype
+
+        # 1) prefill each prompt once, left-padded so every row's next token goes to column P.
+        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
+        mask = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T) 1 = real token
+        for i, p in enumerate(prompt_ids):
+            ids[i, P - len(p):] = torch.tensor(p, device=dev)
+            mask[i, P - len(p):P] = 1
+        pre = self._lib.KVCache(cfg, B, P, dtype, dev)
+        pos = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)
+        logits = self.model(ids, position_ids=pos, attention_mask=mask[:, :P], kv_cache=pre, cache_pos=0)[:, -1]
+
+        # 2) copy prompt KV to the n samples of each prompt: rows are (prompt i, sample j) -> i*n + j.
+        R = B * n
+        cache = self._lib.KVCache(cfg, R, P + T, dtype, dev)
+        cache.k[:, :, :, :P] = pre.k.repeat_interleave(n, dim=1)
+        cache.v[:, :, :, :P] = pre.v.repeat_interleave(n, dim=1)
+        del pre
+        logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        next_pos = mask.sum(-1)                                   # (R,) position of the first new token
+
+        # 3) decode: one batched forward per token. Finished rows keep running (masked) until all are done.
+        toks = torch.zeros(R, T, dtype=torch.long, device=dev)    # (R, T)
+        logps = torch.zeros(R, T, dtype=torch.float32, device=dev)
+        done = torch.zeros(R, dtype=torch.bool, device=dev)
+        stopped = torch.zeros(R, dtype=torch.bool, device=dev)
+        lengths = torch.full((R,), T, dtype=torch.long, device=dev)
+        for t in range(T):
+            tok, logp = sample(logits.float(), temperature, top_k, top_p, rng)
+            toks[:, t], logps[:, t] = tok, logp
+            hit = torch.isin(tok, stop) & ~done
+            stopped |= hit
+            lengths = torch.where(hit, t + 1, lengths)
+            done |= hit
+            if t == T - 1 or bool(done.all()):
+                break
+            mask[:, P + t] = (~done).long()
+            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], attention_mask=mask[:, :P + t + 1],
+                                kv_cache=cache, cache_pos=P + t)[:, -1]
+
+        # 4) one host transfer, one batched decode.
+        toks, logps, lengths, stopped = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+        seqs = [toks[r][:lengths[r]] for r in range(R)]
+        texts = self._decode(seqs) if self._decode else [""] * R
+        groups = [[Completion(prompt_ids=list(prompt_ids[i]), token_ids=seqs[i * n + j], text=texts[i * n + j],
+                              logprobs=logps[i * n + j][:lengths[i * n + j]],
+                              finish_reason="stop" if stopped[i * n + j] else "length",
+                              generator_version=self.version, metadata={"backend": "torch", "sample_index": j})
+                   for j in range(n)] for i in range(B)]
+        return check_completions(groups, B, n)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors, version: int):
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head.weight too
+        for name, t in named_tensors:
+            if name not in params:
+                raise KeyError(f"update_weights: {name!r} is not a parameter of the torch generator's model")
+            params[name].copy_(t)
+        self.version = version
+
+    def sleep(self):
+        pass  # nothing to offload: the torch generator is for CPU and tests
+
+    def wake_up(self):
+        pass

