@@ -1,0 +1,669 @@
+"""GRPO-family RL post-training on torchrun: one file that reads as the algorithm.
+
+One step (B prompts, G samples each; every shape below is per trainer rank unless it says so):
+
+    prompts --generate--> B*G completions (+ the generator's logprobs, weight version)
+            --reward----> R (B, G)       rewards.py: callables that never raise or hang
+            --advantage-> A (B, G)       losses.py: group z-score / Dr.GRPO / RLOO / REINFORCE++
+            --ref/old---> ref_logp, old_logp (B*G, T)   no-grad forwards, only when needed
+            --update----> ppo_epochs x minibatches x micro-batches, AdamW, grad clip
+            --sync------> trainer rank 0 broadcasts the new weights to the generator ranks
+
+Rank roles (dist.py): with `torchrun --nproc_per_node=N`, the last `dist.generator_ranks` ranks
+each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. With
+`generator_ranks = 0` every trainer rank also hosts a generator (1 GPU, or plain `python` on CPU).
+Generator ranks run `generator_loop`, which walks the same sequence of collectives as the trainer
+(collect batch, sync weights, collect eval), so the two halves never disagree about what comes next.
+
+Every rank derives step s's prompts from (seed, s) alone, so generators need no prompt traffic and
+resuming at step s continues the data order exactly. With `rollout.max_staleness >= 1`, a
+generator produces batch s+1 while the trainers update on batch s (a one-batch pipeline, so the
+weights are at most one version old); the generator's logprobs then serve as old_logp, so the
+PPO ratio is taken against the policy that actually sampled.
+
+Deliberate departures from the papers:
+- the KL term and loss aggregation follow losses.py's canonical choices (see its docstring);
+- micro-batches are weighted by their share of sequences, an approximation for token-mean losses
+  when token counts differ between micro-batches (verl and TRL make the same trade);
+- DAPO's dynamic sampling drops zero-signal groups but does not re-sample to refill the batch;
+- REINFORCE++ whitening uses each data-parallel rank's local batch, not the global one.
+
+Launch lines:
+    CPU, 1 trainer + 1 vLLM rank:  torchrun --nproc_per_node=2 train_grpo.py configs/tiny.py
+    CPU, colocated, one process:   python train_grpo.py configs/tiny.py --dist.generator_ranks=0
+    1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
+    8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
+"""
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (notes/vllm-cpu.md)
+import torch
+import torch.distributed as tdist
+
+import config
+import data
+import dist
+import losses
+import rewards
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Config: every knob, with its default. Config files assign onto these; CLI overrides last.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Model:
+    path: str = ""                  # HF checkpoint dir (config.json + safetensors) or a hub name
+    dtype: str = "float32"          # trainer params: float32 | bfloat16 (bf16 params, fp32 reduce)
+    make_tiny: bool = False         # create a tiny random checkpoint at `path` if missing (CPU)
+
+
+@dataclass
+class Data:
+    name: str = "arith"             # arith (synthetic, CPU) | gsm8k
+    source: str = "openai/gsm8k"    # gsm8k train split: hub name or local .jsonl/.parquet
+    eval_source: str = ""           # gsm8k held-out split: "" = the hub's test split
+    instruction: str = ""           # appended to every gsm8k question (e.g. "put the answer in \\boxed{}")
+    min_digits: int = 2             # arith: operand size of RL and eval problems
+    max_digits: int = 2
+    max_prompt_tokens: int = 512    # longer prompts are dropped (counted in the log)
+
+
+@dataclass
+class Rollout:
+    prompts_per_step: int = 32      # B: prompts per optimizer step (global)
+    group_size: int = 8             # G: samples per prompt
+    temperature: float = 1.0        # sampling temperature; logprobs are of the tempered policy
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 40            # response budget; also DAPO's L_max and Dr.GRPO's C
+    backend: str = "vllm"           # vllm | torch (the pure-torch generator over model.py)
+    kv_cache_mb: int = 128          # vLLM KV cache per engine, set explicitly (not a RAM fraction)
+    max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
+    filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal
+    overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
+    reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
+    reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
+
+
+@dataclass
+class Loss:
+    name: str = "grpo"              # a key of losses.LOSSES: grpo, dr_grpo, dapo, cispo, gspo, ...
+    kwargs: dict = field(default_factory=dict)  # passed to the loss class, e.g. {"beta": 0.0}
+    adv: str = "grpo"               # grpo | drgrpo | rloo | reinforce_pp
+    adv_eps: float = 1e-6           # std guard of the group z-score
+    tis_cap: float = 0.0            # >0: truncated IS weight min(pi_train/pi_gen, cap) per token
+    entropy_coef: float = 0.0       # entropy bonus (subtracted from the loss)
+
+
+@dataclass
+class Optim:
+    lr: float = 3e-4
+    betas: tuple = (0.9, 0.99)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"      # constant | cosine (to min_lr_ratio * lr)
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass
+class Train:
+    steps: int = 200                # optimizer steps (one rollout batch each)
+    seed: int = 0
+    ppo_epochs: int = 1             # passes over each rollout batch
+    minibatches: int = 1            # optimizer steps per epoch = minibatches
+    micro_batch: int = 64           # sequences per forward/backward (gradient accumulation)
+    max_skipped_steps: int = 5      # consecutive non-finite steps before the run aborts
+    deterministic: bool = False     # torch.use_deterministic_algorithms (slower)
+
+
+@dataclass
+class Dist:
+    generator_ranks: int = 1        # last N ranks run vLLM; 0 = colocated on every trainer rank
+    tp: int = 1                     # tensor parallel degree inside the trainer mesh
+    sync_interval: int = 1          # sync weights to generators every N steps
+    sync_bucket_mb: int = 64        # broadcast bucket size
+    timeout_s: float = 600.0        # every collective; a dead rank surfaces within this
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class Eval:
+    every: int = 50                 # steps between evals (0 = only at start and end)
+    num_problems: int = 500         # held-out problems, greedy pass@1
+    pass_k: int = 0                 # >0: also pass@k with k samples at rollout temperature
+
+
+@dataclass
+class Log:
+    run: str = "grpo"               # outputs go to <out_dir>/<run>/
+    out_dir: str = "out"
+    plot_every: int = 25            # refresh PNG plots every N steps
+    wandb: bool = False             # needs `pip install wandb`; WANDB_MODE=offline works offline
+
+
+@dataclass
+class Ckpt:
+    every: int = 0                  # checkpoint every N steps (0 = off)
+    resume: str = ""                # "" | "auto" (newest complete checkpoint) | a checkpoint dir
+
+
+def parse_config(argv):
+    sections = dict(model=Model(), data=Data(), rollout=Rollout(), loss=Loss(), optim=Optim(),
+                    train=Train(), dist=Dist(), eval=Eval(), log=Log(), ckpt=Ckpt())
+    return SimpleNamespace(**config.parse(sections, argv))  # cfg.loss.beta, not cfg["loss"].beta
+
+
+def validate(cfg, world_size):
+    """Cross-field checks, before anything heavy is loaded."""
+    err = config.ConfigError
+    if cfg.loss.name not in losses.LOSSES:
+        raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
+    try:
+        losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
+    except TypeError as e:
+        raise err(f"loss.kwargs: {e}") from None
+    if cfg.loss.adv not in ("grpo", "drgrpo", "rloo", "reinforce_pp"):
+        raise err(f"loss.adv: {cfg.loss.adv!r} is not one of grpo, drgrpo, rloo, reinforce_pp")
+    if cfg.loss.adv != "reinforce_pp" and cfg.rollout.group_size < 2:
+        raise err(f"rollout.group_size={cfg.rollout.group_size}: group advantages need at least 2 samples")
+    if not 0 <= cfg.dist.generator_ranks < world_size:
+        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size {world_size}"
+                  " (at least one trainer rank)")
+    num_trainers = world_size - cfg.dist.generator_ranks
+    if num_trainers % cfg.dist.tp:
+        raise err(f"dist.tp={cfg.dist.tp} does not divide the {num_trainers} trainer ranks")
+    dp = num_trainers // cfg.dist.tp
+    if cfg.rollout.prompts_per_step % dp:
+        raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
+                  f"data-parallel size {dp}")
+    if cfg.rollout.backend not in ("vllm", "torch"):
+        raise err(f"rollout.backend: {cfg.rollout.backend!r} is not vllm or torch")
+    if cfg.data.name not in ("arith", "gsm8k"):
+        raise err(f"data.name: {cfg.data.name!r} is not arith or gsm8k")
+    if cfg.optim.schedule not in ("constant", "cosine"):
+        raise err(f"optim.schedule: {cfg.optim.schedule!r} is not constant or cosine")
+    for name, v in [("train.steps", cfg.train.steps), ("train.micro_batch", cfg.train.micro_batch),
+                    ("train.ppo_epochs", cfg.train.ppo_epochs), ("train.minibatches", cfg.train.minibatches),
+                    ("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+                    ("rollout.max_tokens", cfg.rollout.max_tokens), ("dist.sync_interval", cfg.dist.sync_interval)]:
+        if v < 1:
+            raise err(f"{name}={v} must be >= 1")
+    if cfg.optim.lr <= 0 or cfg.rollout.temperature <= 0:
+        raise err("optim.lr and rollout.temperature must be > 0")
+    if not cfg.model.path:
+        raise err("model.path is empty: give a checkpoint directory or a hub name")
+    looks_local = cfg.model.path.startswith((".", "/")) or os.path.exists(cfg.model.path) \
+        or cfg.model.path.count("/") != 1
+    if looks_local and not cfg.model.make_tiny and not Path(cfg.model.path, "config.json").exists():
+        raise err(f"model.path: no config.json in {cfg.model.path}")
+
+
+def loss_kwargs(cfg):
+    kw = dict(cfg.loss.kwargs)
+    if cfg.loss.name == "dr_grpo":
+        kw.setdefault("max_tokens", cfg.rollout.max_tokens)  # Dr.GRPO's constant C = generation budget
+    return kw
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Models, generators, data
+# ---------------------------------------------------------------------------------------------
+def resolve_model(path, make_tiny):
+    """A local dir as is; the tiny checkpoint made once under a file lock; else a hub download."""
+    if make_tiny:
+        import fcntl
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(str(path) + ".lock", "w") as f:  # every local rank calls this; one creates it
+            fcntl.flock(f, fcntl.LOCK_EX)
+            data.make_tiny_checkpoint(path, seed=0)
+    if Path(path, "config.json").exists():
+        return str(path)
+    from huggingface_hub import snapshot_download  # hub name: only branch that needs network
+    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+
+
+def build_generator(cfg, path, max_model_len):
+    import generator
+    if cfg.rollout.backend == "torch":
+        return generator.TorchGenerator(path, max_model_len=max_model_len, seed=cfg.train.seed)
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    return generator.VLLMGenerator(path, max_model_len=max_model_len, seed=cfg.train.seed,
+                                   kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20,
+                                   max_num_seqs=max(batch, 64),
+                                   dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32")
+
+
+def load_tasks(cfg, tok):
+    """Train and held-out problems as dicts with prompt_ids; too-long prompts dropped and counted."""
+    if cfg.data.name == "arith":
+        held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
+                                   min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
+        train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
+                                max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
+    else:
+        train = data.load_gsm8k(cfg.data.source, "train")
+        held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
+    dropped = 0
+    for split in (train, held_out):
+        keep = []
+        for p in split:
+            p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
+            if len(p["prompt_ids"]) <= cfg.data.max_prompt_tokens:
+                keep.append(p)
+        dropped += len(split) - len(keep)
+        split[:] = keep
+    return train, held_out, dropped
+
+
+def step_prompts(train, step, batch, seed):
+    """Step s's prompts from (seed, s) alone: epoch e is a fixed permutation of the train set."""
+    per_epoch = len(train) // batch
+    epoch, pos = divmod(step, per_epoch)
+    order = list(range(len(train)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return [train[i] for i in order[pos * batch:(pos + 1) * batch]]
+
+
+def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, seed):
+    """This producer's share (problems producer::num_producers), tagged with their global index."""
+    mine = list(range(producer, len(problems), num_producers))
+    t0 = time.perf_counter()
+    out = gen.generate([problems[i]["prompt_ids"] for i in mine], n=n, temperature=temperature,
+                       top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
+                       top_k=cfg.rollout.top_k if temperature > 0 else -1,
+                       max_tokens=cfg.rollout.max_tokens, seed=seed)
+    if len(out) != len(mine) or any(len(c) != n for c in out):
+        raise RuntimeError(f"generator returned {[len(c) for c in out]} completions for {len(mine)} prompts "
+                           f"x n={n}")
+    return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
+
+
+def collect(local, num_problems):
+    """All-gather every producer's share (trainers without a generator send None); order by index."""
+    shares = [None] * tdist.get_world_size()
+    tdist.all_gather_object(shares, local)
+    groups, gen_s = [None] * num_problems, 0.0
+    for share in shares:
+        if share:
+            for i, comps in zip(share["idx"], share["completions"]):
+                groups[i] = comps
+            gen_s = max(gen_s, share["gen_s"])
+    return groups, gen_s
+
+
+def score(groups, problems, tok, reward_fns, cfg):
+    """Rewards (B, G) of this rank's groups; the MathReward component doubles as accuracy."""
+    prompts, responses, targets = [], [], []
+    for p, comps in zip(problems, groups):
+        for c in comps:
+            prompts.append(p["question"])
+            responses.append(c.text)
+            targets.append(str(p["target"]))
+    total, stats = rewards.score_batch(reward_fns, prompts, responses, targets,
+                                       timeout_s=cfg.rollout.reward_timeout_s, workers=cfg.rollout.reward_workers)
+    return torch.tensor(total, dtype=torch.float32).view(len(groups), -1), stats
+
+
+def advantages(r, cfg, lengths):
+    """(B, G) rewards -> (B, G) advantages; DAPO overlong shaping is added to the reward first."""
+    if cfg.rollout.overlong_cache:
+        r = r + losses.overlong_penalty(lengths, cfg.rollout.max_tokens, cfg.rollout.overlong_cache)
+    if cfg.loss.adv == "grpo":
+        return losses.group_advantages(r, eps=cfg.loss.adv_eps)
+    if cfg.loss.adv == "drgrpo":
+        return losses.drgrpo_advantages(r)
+    if cfg.loss.adv == "rloo":
+        return losses.rloo_advantages(r)
+    return losses.reinforce_pp_advantages(r)
+
+
+def make_batch(problems, groups, pad_id):
+    """Left-pad prompts and right-pad responses, so every response starts at column P."""
+    seqs = [(p["prompt_ids"], c) for p, comps in zip(problems, groups) for c in comps]
+    P = max(len(p) for p, _ in seqs)
+    R = max(max(len(c.token_ids) for _, c in seqs), 1)
+    ids = torch.full((len(seqs), P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    gen_logp = torch.zeros(len(seqs), R)
+    for i, (p, c) in enumerate(seqs):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:P + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+        attn[i, P - len(p):P + len(c.token_ids)] = 1
+        gen_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
+    mask = attn[:, P:].float()  # (B*G, R): 1 on response tokens
+    version = torch.tensor([float(c.generator_version) for _, c in seqs])
+    return dict(ids=ids, attn=attn, mask=mask, gen_logp=gen_logp, P=P, version=version)
+
+
+def response_logp(model, batch, rows, temperature, entropy=False):
+    """Policy logprobs (and entropy) of the response tokens of `rows`: (b, R) in fp32."""
+    ids, attn, P = batch["ids"][rows], batch["attn"][rows], batch["P"]
+    out = model(ids[:, :-1], attention_mask=attn[:, :-1], targets=ids[:, 1:], temperature=temperature,
+                return_entropy=entropy)
+    if entropy:
+        return out[0][:, P - 1:], out[1][:, P - 1:]
+    return out[:, P - 1:]
+
+
+def no_grad_logp(model, batch, micro, temperature):
+    with torch.no_grad():
+        return torch.cat([response_logp(model, batch, slice(i, i + micro), temperature)
+                          for i in range(0, len(batch["ids"]), micro)])
+
+
+def lr_lambda(cfg):
+    def f(step):
+        if step < cfg.optim.warmup_steps:
+            return (step + 1) / cfg.optim.warmup_steps
+        if cfg.optim.schedule == "constant":
+            return 1.0
+        t = (step - cfg.optim.warmup_steps) / max(1, cfg.train.steps - cfg.optim.warmup_steps)
+        return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1)))
+    return f
+
+
+def masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device):
+    """ppo_epochs x minibatches optimizer steps on this rank's batch; returns summed metrics."""
+    n = len(batch["ids"])
+    mb_size = math.ceil(n / cfg.train.minibatches)
+    sums, num_opt, skipped, first_logp = {}, 0, 0, torch.zeros_like(batch["gen_logp"])
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    for epoch in range(cfg.train.ppo_epochs):
+        perm = torch.randperm(n, generator=gen) if cfg.train.minibatches > 1 else torch.arange(n)
+        for mb_start in range(0, n, mb_size):
+            mb_rows = perm[mb_start:mb_start + mb_size]
+            for mc_start in range(0, len(mb_rows), cfg.train.micro_batch):
+                rows = mb_rows[mc_start:mc_start + cfg.train.micro_batch]
+                logp, ent = response_logp(model, batch, rows, cfg.rollout.temperature, entropy=True)
+                mask = batch["mask"][rows].to(device)
+                if epoch == 0:
+                    first_logp[rows] = logp.detach().cpu()
+                mb_adv = adv[rows].to(device)[:, None].expand_as(logp)
+                if cfg.loss.tis_cap > 0:  # truncated IS: trainer-vs-generator mismatch, detached, capped
+                    base = logp.detach() if old_logp is None else old_logp[rows].to(device)
+                    mb_adv = mb_adv * losses.tis_weights(base, batch["gen_logp"][rows].to(device), mask,
+                                                         cfg.loss.tis_cap)
+                loss, m = loss_fn(logp, None if ref_logp is None else ref_logp[rows].to(device), mb_adv, mask,
+                                  old_logprobs=None if old_logp is None else old_logp[rows].to(device))
+                m["loss/entropy"] = masked_mean(ent.detach(), mask)
+                if cfg.loss.entropy_coef:
+                    loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
+                (loss * len(rows) / len(mb_rows)).backward()
+                m["loss/total"] = loss.detach()
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * len(rows) / n
+            gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
+            if torch.isfinite(gnorm):
+                opt.step()
+            else:  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
+                skipped += 1
+            opt.zero_grad(set_to_none=True)
+            sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gnorm)
+            num_opt += 1
+    sched.step()
+    sums = {k: v / cfg.train.ppo_epochs for k, v in sums.items()}
+    sums["train/grad_norm"] *= cfg.train.ppo_epochs / num_opt
+    return sums, skipped, first_logp
+
+
+def mismatch(train_logp, gen_logp, mask):
+    """Train/inference mismatch on the same tokens: mean |dlogp| and k3 KL(gen || train)."""
+    d = (train_logp - gen_logp) * mask
+    return {"mismatch/abs_diff": float(masked_mean(d.abs(), mask)),
+            "mismatch/kl": float(masked_mean(torch.exp(d) - d - 1, mask))}
+
+
+def evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, step, is_trainer=True):
+    """Greedy pass@1 (and pass@k) on the held-out set; generation shared by all producers."""
+    local = None
+    if gen is not None:
+        local = generate_share(gen, held_out, producer, num_producers, 1, 0.0, cfg, seed=step)
+        if cfg.eval.pass_k:
+            local["k"] = generate_share(gen, held_out, producer, num_producers, cfg.eval.pass_k,
+                                        cfg.rollout.temperature, cfg, seed=step + 1)["completions"]
+    greedy, _ = collect(local, len(held_out))
+    if cfg.eval.pass_k:  # a second collective: generators must take part before they return
+        sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
+    if not is_trainer:
+        return None
+    r, _ = score(greedy, held_out, tok, {"math": reward_fns["math"]}, cfg)
+    out = {"eval/pass@1": float((r >= 1).float().mean())}
+    if cfg.eval.pass_k:
+        rk, _ = score(sampled, held_out, tok, {"math": reward_fns["math"]}, cfg)
+        out[f"eval/pass@{cfg.eval.pass_k}"] = float((rk >= 1).any(dim=1).float().mean())
+    return out
+
+
+def sync_due(step, cfg):  # generators must see fresh weights before every eval
+    return (step + 1) % cfg.dist.sync_interval == 0 or eval_due(step, cfg)
+
+
+def eval_due(step, cfg):
+    return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
+
+
+def generator_loop(gen, roles, cfg, train, held_out, tok, reward_fns, start):
+    """A dedicated generator rank: the trainer's sequence of collectives, with generation between."""
+    producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
+    B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    group = dist.sync_group(roles)
+    gen_step = lambda s: generate_share(gen, step_prompts(train, s, B, cfg.train.seed), producer, num_producers,
+                                        G, cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
+    receive = lambda version: lambda named: gen.update_weights(named, version)  # noqa: E731
+    if start > 0:  # resumed: take the restored weights before generating anything
+        dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
+    if start == 0:
+        evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, 0, is_trainer=False)
+    pending = None
+    for s in range(start, cfg.train.steps):
+        local = pending or gen_step(s)
+        collect(local, B)
+        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s
+        pending = gen_step(s + 1) if cfg.rollout.max_staleness and s + 1 < cfg.train.steps else None
+        if sync_due(s, cfg):  # version = optimizer steps taken
+            dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
+        if eval_due(s, cfg):
+            evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, s + 1, is_trainer=False)
+
+
+def make_rewards(cfg):
+    """Named reward callables; "math" (correctness) is also the accuracy metric."""
+    fns = {"math": rewards.MathReward()}
+    return fns
+
+
+def log_step(row, out, bar, wandb_run):
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if wandb_run:
+        wandb_run.log(row, step=row["step"])
+    if bar is not None:
+        bar.update(1)
+        bar.write(" ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in row.items()
+                           if k in ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl",
+                                    "rollout/response_len", "mismatch/abs_diff", "perf/step_s", "eval/pass@1")))
+
+
+def main(argv=None):
+    # ---- 1. config: parsed and validated before anything heavy happens ----------------------------
+    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    roles = dist.get_roles(cfg.dist.generator_ranks)
+    if cfg.log.wandb:
+        import wandb  # optional extra, imported only when asked for
+    torch.manual_seed(cfg.train.seed)
+    torch.use_deterministic_algorithms(cfg.train.deterministic)
+    out = Path(cfg.log.out_dir, cfg.log.run)
+    B, G, T = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
+
+    # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
+    path = resolve_model(cfg.model.path, cfg.model.make_tiny)
+    tok = data.Tokenizer(path)
+    gen = None
+    if roles.is_generator or roles.colocated:
+        gen = build_generator(cfg, path, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+        if hasattr(gen, "release_default_group"):
+            gen.release_default_group()
+    dist.init_distributed(roles, cfg.dist.timeout_s)
+    mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
+    group = dist.sync_group(roles)
+    train, held_out, num_dropped = load_tasks(cfg, tok)
+    reward_fns = make_rewards(cfg)
+    resume = [None, 0]  # (checkpoint dir, step): trainer rank 0 decides, every rank learns
+    if roles.rank == 0 and cfg.ckpt.resume:
+        ck = dist.latest_checkpoint(out / "ckpt") if cfg.ckpt.resume == "auto" else Path(cfg.ckpt.resume)
+        resume = [str(ck), int(ck.name.split("_")[-1])] if ck else [None, 0]
+    tdist.broadcast_object_list(resume, src=0)
+    ckpt_path, start = resume
+    if roles.is_generator:
+        generator_loop(gen, roles, cfg, train, held_out, tok, reward_fns, start)
+        return dist.shutdown()
+
+    # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
+    from model import Transformer
+    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+    model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
+                             activation_checkpointing=cfg.dist.activation_checkpointing)
+    loss_fn = losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
+    ref = None
+    if getattr(loss_fn, "beta", 0.0) > 0:
+        ref = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype)
+        ref.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                            weight_decay=cfg.optim.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    receive = (lambda v: lambda named: gen.update_weights(named, v)) if gen is not None else (lambda v: None)
+    if ckpt_path:  # model, optimizer, schedule; data order and sampling seeds derive from the step
+        extra = dist.load_checkpoint(ckpt_path, model, opt)
+        sched.load_state_dict(extra["sched"])
+        dist.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
+    dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
+    out.mkdir(parents=True, exist_ok=True)
+    is_log = roles.rank == 0
+    wandb_run = None
+    if is_log:
+        resolved = json.dumps(config.to_dict(vars(cfg)), indent=1)
+        print(resolved)
+        (out / "config.json").write_text(resolved)
+        if start == 0:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        if cfg.log.wandb:
+            wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
+    from tqdm import tqdm
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
+    if start == 0:
+        ev = evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, 0)
+        if is_log:
+            log_step({"step": 0, **ev}, out, None, wandb_run)
+    skipped_total, skipped_run = 0, 0
+
+    # ---- 4. the loop ------------------------------------------------------------------------------
+    for s in range(start, cfg.train.steps):
+        t_step = time.perf_counter()
+        # 4a. prompts: a pure function of (seed, step), identical on every rank
+        problems = step_prompts(train, s, B, cfg.train.seed)
+        # 4b. generate: colocated trainers generate their share; dedicated ones wait for the generators
+        local = generate_share(gen, problems, producer, num_producers, G, T, cfg,
+                               seed=cfg.train.seed * 100_003 + s) if gen is not None else None
+        t0 = time.perf_counter()
+        groups, gen_s = collect(local, B)
+        wait_s = time.perf_counter() - t0
+        lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
+        problems, groups = problems[lo:hi], groups[lo:hi]
+        # 4c. rewards (B/dp, G)
+        t0 = time.perf_counter()
+        r, rstats = score(groups, problems, tok, reward_fns, cfg)
+        lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
+        reward_s = time.perf_counter() - t0
+        # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
+        adv = advantages(r, cfg, lengths)
+        batch = make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
+        if cfg.rollout.filter_zero_std:
+            batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
+        adv = adv.reshape(-1)  # (B/dp*G,)
+        # 4e. reference and old logprobs (no grad), only when the loss needs them
+        t0 = time.perf_counter()
+        ref_logp = no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None
+        ref_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        old_logp = None  # on-policy single update: old = sg(logp) inside the loss
+        if cfg.rollout.max_staleness:
+            old_logp = batch["gen_logp"]  # the policy that actually sampled (weights one version old)
+        elif cfg.train.ppo_epochs * cfg.train.minibatches > 1:
+            old_logp = no_grad_logp(model, batch, cfg.train.micro_batch, T)
+        old_s = time.perf_counter() - t0
+        # 4f. policy update: ppo_epochs x minibatches x micro-batches
+        t0 = time.perf_counter()
+        if roles.colocated and gen is not None:
+            gen.sleep()  # GPU: free the engine's memory for the update (a no-op on CPU)
+        m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
+                                        roles.device)
+        train_s = time.perf_counter() - t0
+        if roles.colocated and gen is not None:
+            gen.wake_up()
+        skipped_total += skipped
+        skipped_run = skipped_run + 1 if skipped else 0
+        if skipped_run >= cfg.train.max_skipped_steps:
+            raise RuntimeError(f"{skipped_run} consecutive optimizer steps had a non-finite loss or grad norm; "
+                               f"last batch reward mean {float(r.mean()):.4g} (train.max_skipped_steps)")
+        # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
+        t0 = time.perf_counter()
+        sync = {}
+        if sync_due(s, cfg):
+            sync = dist.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
+        sync_s = time.perf_counter() - t0
+        # 4h. metrics, averaged over data-parallel ranks
+        row = {**m, **rstats, **mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync,
+               "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
+               "rollout/accuracy": float((r >= 1).float().mean()),
+               "rollout/response_len": float(lengths.mean()),
+               "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
+                                               / lengths.numel()),
+               "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
+               "rollout/staleness": float((s - batch["version"]).mean()),
+               "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
+               "perf/gen_s": gen_s, "perf/wait_s": wait_s, "perf/reward_s": reward_s, "perf/ref_s": ref_s,
+               "perf/old_s": old_s, "perf/train_s": train_s, "perf/sync_s": sync_s,
+               "data/dropped_prompts": float(num_dropped)}
+        keys = sorted(row)
+        vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+        tdist.all_reduce(vec, group=mesh["dp_shard"].get_group())
+        row = {k: float(v) / dp for k, v in zip(keys, vec)}
+        if eval_due(s, cfg):
+            row.update(evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, s + 1))
+        if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0:
+            dist.save_checkpoint(out / "ckpt", s + 1, model, opt, {"sched": sched.state_dict()})
+        row["perf/step_s"] = time.perf_counter() - t_step
+        row["perf/tokens_per_s"] = float(lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
+        row["step"] = s + 1
+        if is_log:
+            log_step(row, out, bar, wandb_run)
+            if (s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps:
+                import plots
+                plots.plot_run(out / "metrics.jsonl", out)
+
+    # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
+    dist.export_hf(model, out / "hf", tokenizer_dir=path)
+    bar.close()
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except config.ConfigError as e:  # a clear one-line message, not a traceback
+        sys.exit(f"config error: {e}")
