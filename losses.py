@@ -321,7 +321,7 @@ class SAPOLoss(nn.Module):
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
         m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
         ratio = torch.exp(lp - old)
-        tau = torch.where(adv > 0, self.tau_pos, self.tau_neg).to(lp.dtype)
+        tau = torch.full_like(adv, self.tau_neg).masked_fill(adv > 0, self.tau_pos)  # in lp's dtype, not fp32
         gate = torch.sigmoid(tau * (ratio - 1))
         pg = -gate * (4 / tau) * adv
         w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])  # seq-mean-token-mean
@@ -341,6 +341,12 @@ def _as_float(x):
     return x if x.is_floating_point() else x.to(torch.get_default_dtype())
 
 
+def _centred(r):
+    """R - mean_g R, exactly 0 for all-equal groups (the float mean of [0.7]*6 is not exactly 0.7)."""
+    same = (r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True))
+    return torch.where(same, 0.0, r - r.mean(-1, keepdim=True))
+
+
 def group_advantages(rewards, eps=1e-6):
     """GRPO (DeepSeekMath section 4.1.2): A = (R - mean_g R) / (std_g R + eps) within each prompt's group.
     std is unbiased (ddof=1) as in verl/TRL/torchforge; eps=1e-6 is verl's (TRL/torchforge use 1e-4).
@@ -348,13 +354,12 @@ def group_advantages(rewards, eps=1e-6):
     r = _as_float(rewards)
     if r.shape[-1] < 2:
         return torch.zeros_like(r)
-    return (r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + eps)
+    return _centred(r) / (r.std(-1, keepdim=True) + eps)
 
 
 def drgrpo_advantages(rewards):
     """Dr.GRPO: A = R - mean_g R. Dividing by std up-weights near-unanimous (too easy / too hard) groups."""
-    r = _as_float(rewards)
-    return r - r.mean(-1, keepdim=True)
+    return _centred(_as_float(rewards))
 
 
 def rloo_advantages(rewards):
@@ -362,7 +367,7 @@ def rloo_advantages(rewards):
     Unbiased: the baseline does not depend on the sample it scores. Group of size 1: 0."""
     r = _as_float(rewards)
     g = r.shape[-1]
-    return torch.zeros_like(r) if g < 2 else g / (g - 1) * (r - r.mean(-1, keepdim=True))
+    return torch.zeros_like(r) if g < 2 else g / (g - 1) * _centred(r)
 
 
 def reinforce_pp_advantages(rewards, group_baseline=False, eps=1e-8):
