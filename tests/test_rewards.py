@@ -146,6 +146,10 @@ ADVERSARIAL = [
     ("the answer is " + " " * 1_000_000 + "5", "5"),
     ("1," * 500_000, "1"),
     ("1.5 \\times 10^{" * 50_000, "1"),
+    # short enough for sympy, slow inside it: stopped by the symbolic time limit (0.5 s)
+    (r"\boxed{(x+1)^{999}}", "5"),
+    (r"\boxed{((10^{999})^{999})^{999}}", "5"),
+    (r"\boxed{\sum_{k=1}^{999} k^{999}}", r"\sum_{k=1}^{999} k^{998}"),
 ]
 
 
@@ -162,6 +166,18 @@ def test_adversarial_inputs_are_fast(response, target):
     ThinkingReward()(response, response, target)
     FormatReward(r"^<think>.*?</think>\s*\\boxed\{.*\}$")("", response, target)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_symbolic_is_skipped_off_the_main_thread():
+    # no SIGALRM timer in a thread, so sympy is not run at all there (use RewardPool for threads)
+    out = []
+    th = threading.Thread(target=lambda: out.extend(
+        [MathReward()("", r"\boxed{(x+1)^{999}}", "5"), MathReward()("", r"\boxed{\sqrt{2}}", "2^{1/2}"),
+         MathReward()("", r"\boxed{\frac{3}{4}}", "0.75")]))
+    t0 = time.monotonic()
+    th.start()
+    th.join()
+    assert out == [0.0, 0.0, 1.0] and time.monotonic() - t0 < 1.0
 
 
 def test_thinking_reward():
