@@ -13,31 +13,26 @@ Every loss has the same call (torchforge's contract, extended with the behaviour
     old_logprobs  (B, T)  the behaviour policy that sampled the batch; None = on-policy    -> old
                           (old = sg(lp): the ratio is exactly 1 but still has d r / d lp = 1)
     loss          scalar to MINIMISE (minus the paper's objective)
-    metrics       dict of detached 0-d tensors: "loss/pg", "loss/kl", "loss/clip_frac", "loss/ratio_mean", ...
-                  (no .item() here: it would force a device sync every step)
+    metrics       detached 0-d tensors "loss/pg", "loss/kl", "loss/clip_frac", ... (no .item(): a device sync)
 
-Notation: r = exp(lp - old) the token ratio, sg(.) = stop-gradient, l[i,t] the per-token loss,
-n_i = sum_t m[i,t], N = sum_i n_i, B rows, C a constant token budget.
-
-The aggregation of l into one number is exactly where the papers disagree, so each loss writes its own out as
-the weight w[i,t] = d loss / d l[i,t], and loss = sum(w * l):
+Notation: r = exp(lp - old), sg(.) = stop-gradient, l[i,t] the per-token loss, n_i = sum_t m[i,t], N = sum n_i.
+Aggregating l is exactly where the papers disagree, so each loss writes its own as w[i,t] = d loss / d l[i,t]:
     token-mean            w = m / N        every token weighs the same (DAPO, CISPO, torchforge REINFORCE)
     seq-mean-token-mean   w = m / (B n_i)  every sequence weighs the same, so a token of a short answer weighs
                                            more than one of a long answer (GRPO paper, GSPO, SAPO, SimpleGRPO)
-    constant normaliser   w = m / (B C)    no length bias at all (Dr.GRPO)
-A fully masked row has n_i clamped to 1: it adds 0 but still counts in B (torchforge/TRL), and never makes NaN.
+    constant normaliser   w = m / (B C)    C a fixed token budget: no length bias at all (Dr.GRPO)
+and loss = sum(w * l). A fully masked row has n_i clamped to 1: it adds 0, still counts in B (torchforge/TRL).
 
 Padding hygiene: each loss first overwrites the padding slots of lp/old/ref/A with 0 via torch.where (not m*x,
 since 0 * inf = NaN), so junk there cannot reach the value and the gradient at padding is exactly 0.
 
-Train/inference mismatch: when `old` comes from vLLM instead of the trainer, pass A[:, None] * tis_weights(...)
-as (B, T) advantages. Every loss here is positively homogeneous in A token by token (the clip/gate pattern
-depends only on sign(A)), so this is exactly weighting each token's loss by its truncated IS weight.
+Train/inference mismatch: pass the trainer's old_logprobs and A[:, None] * tis_weights(old, vllm_logp, ...) as
+(B, T) advantages. Every loss here is positively homogeneous in A per token (clip/gate patterns depend only on
+sign(A)), so this is exactly weighting each token's loss by its truncated IS weight.
 Entropy bonus: add entropy_bonus(entropy, mask, coef) to the loss (entropy from model.forward(return_entropy=True)).
 
-Left out on purpose: critics/GAE; verl's [-20, 20] clamp on lp - old (an overflow at a real token is a real
-divergence and should show up, not be hidden); global token counts across ranks (the trainer owns that).
-Spec with worked examples: ../shared/specs/losses.md.
+Left out: critics/GAE; verl's [-20, 20] clamp on lp - old (an overflow at a real token is a divergence to see,
+not hide); token counts across ranks (the trainer's job). Worked examples: ../shared/specs/losses.md.
 """
 import math
 
@@ -46,8 +41,7 @@ from torch import nn
 
 
 def kl_estimate(logp, ref_logp, kind="k3"):
-    """Per-token estimators of KL(pi || pi_ref) at tokens sampled from pi (Schulman 2020,
-    http://joschu.net/blog/kl-approx.html), with d = logp - ref_logp:
+    """Per-token estimators of KL(pi || pi_ref), d = logp - ref_logp (http://joschu.net/blog/kl-approx.html):
         k1 = d                    unbiased, can be negative; grad 1
         k2 = d^2 / 2              biased, >= 0; grad d
         k3 = exp(-d) + d - 1      unbiased, >= 0 (DeepSeekMath eq. 4, verl "low_var_kl"); grad 1 - exp(-d)"""
@@ -62,8 +56,7 @@ def kl_estimate(logp, ref_logp, kind="k3"):
 
 
 def _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs, need_ref=False, who="loss"):
-    """Plumbing shared by all losses (shapes, on-policy default, padding hygiene); the math stays in each loss.
-    Returns m (float mask), lp, old, ref (or None), A (B, T), all zero at padding."""
+    """Plumbing shared by every loss -> m (float mask), lp, old, ref or None, A (B, T); all 0 at padding."""
     keep = padding_mask.bool()
     lp = torch.where(keep, logprobs, 0.0)  # where, not m*x: junk (even inf) at padding cannot become NaN
     old = lp.detach() if old_logprobs is None else torch.where(keep, old_logprobs.detach(), 0.0)
@@ -76,8 +69,7 @@ def _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs, nee
     return keep.to(lp.dtype), lp, old, ref, adv
 
 
-def _token_mean(x, m):
-    """Masked mean over all real tokens, for metrics (detached)."""
+def _token_mean(x, m):  # masked mean over all real tokens, for metrics
     return ((x * m).sum() / m.sum().clamp(min=1)).detach()
 
 
@@ -114,8 +106,8 @@ class ReinforceLoss(nn.Module):
         w_t = clamp(sg(exp(lp_t - old_t)), is_min, is_max),   l_t = -w_t * A * lp_t,   loss = token-mean(l)
 
     Gradient -w*A on EVERY token: the weight is detached and clamped, so a token far off-policy still learns
-    (with a bounded weight), where PPO-clip would drop it. The value is -A*lp*w, a surrogate, not ~ -A.
-    Paper: Williams 1992; the IS form is torchforge's (meta-pytorch/torchforge src/forge/losses/reinforce_loss.py).
+    (bounded), where PPO-clip would drop it. The value is -A*lp*w, a surrogate, not ~ -A. Paper: Williams 1992;
+    the IS form is torchforge's (meta-pytorch/torchforge src/forge/losses/reinforce_loss.py).
     vs CISPOLoss: the same per-token form, but CISPO's weight is capped one-sided at 1 + eps_high only.
     """
 
@@ -126,8 +118,7 @@ class ReinforceLoss(nn.Module):
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
         m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
         ratio = torch.exp(lp - old).detach()
-        is_w = ratio.clamp(self.is_min, self.is_max)
-        pg = -is_w * adv * lp
+        pg = -ratio.clamp(self.is_min, self.is_max) * adv * lp  # detached, clamped IS weight
         w = m / m.sum().clamp(min=1)  # token-mean
         loss = (w * pg).sum()
         clipped = (ratio < self.is_min) | (ratio > self.is_max)
@@ -183,8 +174,8 @@ class DrGRPOLoss(nn.Module):
 
     C = max_tokens, the generation budget, the same for every batch (the authors' oat code, TRL "dr_grpo").
     Every token weighs 1/(B*C) whatever its sequence's length: GRPO's 1/n_i rewards short correct answers and
-    excuses long wrong ones; this removes that bias. Pair with drgrpo_advantages (no std division).
-    vs GRPOLoss: per-token identical (beta=0); only the normaliser differs. verl's variant omits the /B.
+    excuses long wrong ones. Pair with drgrpo_advantages (no std). vs GRPOLoss: same per-token loss with
+    beta=0; only the normaliser differs (verl's variant also omits the /B).
     """
 
     def __init__(self, max_tokens: int, clip_low=0.2, clip_high=0.2):
@@ -248,9 +239,7 @@ class CISPOLoss(nn.Module):
         ratio = torch.exp(lp - old).detach()
         low = None if self.clip_low is None else 1 - self.clip_low
         pg = -ratio.clamp(min=low, max=1 + self.clip_high) * adv * lp
-        clipped = ratio > 1 + self.clip_high
-        if low is not None:
-            clipped = clipped | (ratio < low)
+        clipped = (ratio > 1 + self.clip_high) | (ratio < (0.0 if low is None else low))
         w = m / m.sum().clamp(min=1)  # token-mean
         loss = (w * pg).sum()
         return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
@@ -266,9 +255,8 @@ class GSPOLoss(nn.Module):
                            loss = seq-mean-token-mean(-min(s_it A_t, clip(s_it) A_t))
 
     A clipped sequence loses the gradient of ALL its tokens; others give each token -A_i s_i / (B n_i).
-    GSPO-token equals GSPO for per-sequence A (the paper's claim, tested) and also takes per-token A,
-    e.g. with folded-in TIS weights; level="sequence" requires per-sequence A. The tiny clip range
-    3e-4 / 4e-4 (section 5.1) fits a ratio of geometric means. Empty rows contribute 0 and count in B.
+    GSPO-token equals GSPO for per-sequence A (the paper's claim, tested) and also takes per-token A (e.g.
+    folded-in TIS weights). Clip range 3e-4 / 4e-4 (section 5.1): s_i is a geometric mean, so it stays near 1.
     vs GRPOLoss: the ratio and the clip decision are per sequence, not per token; no KL.
     """
 
@@ -289,17 +277,15 @@ class GSPOLoss(nn.Module):
             a = advantages.detach().to(lp.dtype).reshape(-1)
             seq = torch.maximum(-s * a, -s.clamp(lo, hi) * a) * (m.sum(-1) > 0)  # empty rows add 0
             loss = seq.sum() / m.shape[0]
-            clipped = ((a > 0) & (s > hi)) | ((a < 0) & (s < lo))
-            clip_frac = _token_mean(clipped[:, None].to(m.dtype).expand_as(m), m)
+            clipped = (((a > 0) & (s > hi)) | ((a < 0) & (s < lo)))[:, None]  # the whole row's fate
         else:
             s_tok = s.detach()[:, None] * torch.exp(lp - lp.detach())  # value s_i, gradient of lp_t
             pg = torch.maximum(-s_tok * adv, -s_tok.clamp(lo, hi) * adv)
             w = m / (n[:, None] * m.shape[0])  # seq-mean-token-mean
             loss = (w * pg).sum()
             clipped = ((adv > 0) & (s_tok > hi)) | ((adv < 0) & (s_tok < lo))
-            clip_frac = _token_mean(clipped.to(m.dtype), m)
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": clip_frac,
-                      "loss/ratio_mean": _token_mean(s[:, None].expand_as(m), m)}
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": _token_mean(s[:, None], m)}
 
 
 class SAPOLoss(nn.Module):
@@ -310,8 +296,7 @@ class SAPOLoss(nn.Module):
 
     d l / d lp = -A * 4 sig (1 - sig) r: equal to GRPO's -A on-policy (f'(1) = 1), decaying smoothly as r
     leaves 1 but never exactly 0. The on-policy VALUE is -(2/tau) A, not -A. tau_neg = 1.05 > tau_pos makes
-    negative-advantage tokens decay faster (the paper's most stable setting; verl/TRL defaults).
-    vs GRPOLoss: no hard clip (no dropped tokens), no KL.
+    negative-advantage tokens decay faster (the paper's most stable setting). vs GRPOLoss: no hard clip, no KL.
     """
 
     def __init__(self, tau_pos=1.0, tau_neg=1.05):
@@ -352,9 +337,7 @@ def group_advantages(rewards, eps=1e-6):
     std is unbiased (ddof=1) as in verl/TRL/torchforge; eps=1e-6 is verl's (TRL/torchforge use 1e-4).
     A group of size 1 has nothing to compare against: its advantage is 0 (verl's convention)."""
     r = _as_float(rewards)
-    if r.shape[-1] < 2:
-        return torch.zeros_like(r)
-    return _centred(r) / (r.std(-1, keepdim=True) + eps)
+    return torch.zeros_like(r) if r.shape[-1] < 2 else _centred(r) / (r.std(-1, keepdim=True) + eps)
 
 
 def drgrpo_advantages(rewards):
@@ -365,22 +348,18 @@ def drgrpo_advantages(rewards):
 def rloo_advantages(rewards):
     """RLOO (arXiv 2402.14740): baseline = mean of the OTHER G-1 samples, A = G/(G-1) (R - mean_g R).
     Unbiased: the baseline does not depend on the sample it scores. Group of size 1: 0."""
-    r = _as_float(rewards)
-    g = r.shape[-1]
+    r, g = _as_float(rewards), rewards.shape[-1]
     return torch.zeros_like(r) if g < 2 else g / (g - 1) * _centred(r)
 
 
 def reinforce_pp_advantages(rewards, group_baseline=False, eps=1e-8):
     """REINFORCE++ (arXiv 2501.03262v1, eqs. 4-8): whiten over the WHOLE batch, not per group:
-    A = (R - mean_batch) / (std_batch + eps), ddof=1. group_baseline=True is verl's "REINFORCE++-baseline":
-    subtract each group's mean first, then whiten the batch. NOTE: sequence-level rewards; the paper's per-token
-    return R - beta * sum_{s>=t} k1_s (KL in the reward) is for the caller to form before whitening."""
+    A = (R - mean_batch) / (std_batch + eps), ddof=1; group_baseline=True (verl's "REINFORCE++-baseline")
+    subtracts each group's mean first. NOTE: sequence-level; per-token KL-in-reward returns are the caller's."""
     r = _as_float(rewards)
     if group_baseline:
         r = r - r.mean(-1, keepdim=True)
-    if r.numel() < 2:
-        return torch.zeros_like(r)
-    return (r - r.mean()) / (r.std() + eps)
+    return torch.zeros_like(r) if r.numel() < 2 else (r - r.mean()) / (r.std() + eps)
 
 
 def zero_std_groups(rewards):
@@ -399,13 +378,11 @@ def overlong_penalty(lengths, max_len, cache_len):
 
 
 def tis_weights(logp, gen_logp, mask, cap, level="token"):
-    """Truncated importance sampling for the trainer/generator mismatch (vLLM's logprobs differ from the
-    trainer's even for the same weights; Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"; verl's rollout_is). logp: the trainer's logprobs of the behaviour policy.
-        token:     w_t = min(exp(logp_t - gen_t), cap)
-        sequence:  w_i = min(exp(sum_t m (logp_t - gen_t)), cap), the same for every token of row i
-    (the full sequence ratio; GSPO's s_i is its n_i-th root). Detached, 0 on padding, shape (B, T).
-    Use: loss_fn(lp, ref, A[:, None] * w, mask, old_logprobs=logp)."""
+    """Truncated IS weights for the trainer/generator mismatch (vLLM's logprobs differ from the trainer's even
+    for the same weights; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+    training"; verl rollout_is). logp: the trainer's logprobs of the behaviour policy; gen: the generator's.
+        token: w_t = min(exp(logp_t - gen_t), cap);  sequence: w_i = min(exp(sum_t m (logp_t - gen_t)), cap)
+    Detached, 0 on padding, (B, T). Use: loss_fn(lp, ref, A[:, None] * w, mask, old_logprobs=logp)."""
     keep = mask.bool()
     d = torch.where(keep, (logp - gen_logp).detach(), 0.0)
     if level == "sequence":
@@ -419,5 +396,4 @@ def tis_weights(logp, gen_logp, mask, cap, level="token"):
 def entropy_bonus(entropy, mask, coef):
     """Term to ADD to the loss for an entropy bonus: -coef * token-mean(entropy) over response tokens
     (minimising it raises entropy). entropy (B, T) from model.forward(..., return_entropy=True)."""
-    keep = mask.bool()
-    return -coef * torch.where(keep, entropy, 0.0).sum() / keep.sum().clamp(min=1)
+    return -coef * torch.where(mask.bool(), entropy, 0.0).sum() / mask.sum().clamp(min=1)
