@@ -256,7 +256,8 @@ class GSPOLoss(nn.Module):
 
     A clipped sequence loses the gradient of ALL its tokens; others give each token -A_i s_i / (B n_i).
     GSPO-token equals GSPO for per-sequence A (the paper's claim, tested) and also takes per-token A (e.g.
-    folded-in TIS weights). Clip range 3e-4 / 4e-4 (section 5.1): s_i is a geometric mean, so it stays near 1.
+    folded-in token TIS weights), which level="sequence" averages over the row. Clip range 3e-4 / 4e-4
+    (section 5.1): s_i is a geometric mean of token ratios, so it stays near 1.
     vs GRPOLoss: the ratio and the clip decision are per sequence, not per token; no KL.
     """
 
@@ -272,9 +273,7 @@ class GSPOLoss(nn.Module):
         s = torch.exp(((lp - old) * m).sum(-1) / n)  # (B,) masked mean log-ratio: padding never enters
         lo, hi = 1 - self.clip_low, 1 + self.clip_high
         if self.level == "sequence":
-            if advantages.dim() == 2 and advantages.shape[1] != 1:
-                raise ValueError("GSPOLoss(level='sequence') needs one advantage per sequence; use level='token'")
-            a = advantages.detach().to(lp.dtype).reshape(-1)
+            a = (adv * m).sum(-1) / n  # A_i; a (B, T) A is averaged over the row (per-token A: level="token")
             seq = torch.maximum(-s * a, -s.clamp(lo, hi) * a) * (m.sum(-1) > 0)  # empty rows add 0
             loss = seq.sum() / m.shape[0]
             clipped = (((a > 0) & (s > hi)) | ((a < 0) & (s < lo)))[:, None]  # the whole row's fate

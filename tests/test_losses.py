@@ -315,14 +315,10 @@ def test_matches_python_loop_reference(name, seed, per_token_adv):
     loss_fn, loop, per_seq = CASES[name]
     lp, old, ref, adv, mask = rand_batch(seed, spread=0.03 if "gspo" in name else 0.3)
     if per_token_adv:
-        if per_seq and name == "gspo":
-            with pytest.raises(ValueError):
-                run(loss_fn, lp, ref, adv[:, None].expand_as(lp) * (1 + mask), mask, old)
-            return
         if not per_seq:
             adv = adv[:, None] * torch.rand(lp.shape, dtype=D, generator=torch.Generator().manual_seed(seed)) * 2
-        else:
-            adv = adv[:, None]  # GSPO-token with (B, 1)
+        else:  # GSPO: the trainer's broadcast (B, T) copy of per-sequence A, junk at padding
+            adv = torch.where(mask.bool(), adv[:, None], 7.0)
     loss, g, _ = run(loss_fn, lp, ref, adv, mask, old)
     lp_ref = lp.clone().requires_grad_(True)
     expect = loop(lp_ref, ref, adv, mask, old)
@@ -346,13 +342,12 @@ def test_padding_changes_nothing(name):
     # 1. junk (huge, inf, NaN) at m = 0 slots of lp/old/ref/A: same loss, same metrics, exactly 0 gradient there
     loss_fn = all_losses()[name]
     lp, old, ref, adv, mask = rand_batch(5)
-    per_seq = name == "gspo"
-    a2 = adv if per_seq else adv[:, None].expand_as(lp).clone()
+    a2 = adv[:, None].expand_as(lp).clone()
     base = run(loss_fn, lp, ref, a2, mask, old)
     pad = ~mask.bool()
     junk = t([1e30, -math.inf, math.inf, math.nan, -1e4, 50.0]).repeat(20)[: int(pad.sum())]
     lp2, old2, ref2 = (x.clone().index_put_((pad,), junk.roll(k)) for k, x in enumerate((lp, old, ref)))
-    a3 = a2 if per_seq else a2.clone().index_put_((pad,), junk.roll(3))
+    a3 = a2.clone().index_put_((pad,), junk.roll(3))
     out = run(loss_fn, lp2, ref2, a3, mask, old2)
     assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1]), name
     assert torch.isfinite(out[0]) and torch.isfinite(out[1]).all()
@@ -467,6 +462,14 @@ def test_gspo_sequence_equals_token_and_ratio_is_masked_geometric_mean():
         assert vals.numel() == 0 or close(vals, vals[0].expand_as(vals), 1e-15)
 
 
+def test_gspo_sequence_level_averages_per_token_advantages():
+    lp, old, ref, adv, mask = rand_batch(6, spread=1e-3)
+    a_tok = adv[:, None] * (0.5 + torch.rand(lp.shape, dtype=D, generator=torch.Generator().manual_seed(0)))
+    row_mean = (a_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    a, b = run(GSPOLoss(), lp, None, a_tok, mask, old), run(GSPOLoss(), lp, None, row_mean, mask, old)
+    assert close(a[0], b[0], 1e-12) and close(a[1], b[1], 1e-12)
+
+
 def test_kl_estimators():
     # 7. k3, k2 >= 0; k1 can be < 0; all 0 at lp = ref with zero k2/k3 gradient; d k3 / d lp = 1 - exp(ref - lp)
     g = torch.Generator().manual_seed(0)
@@ -558,9 +561,8 @@ def test_advantage_shapes_are_equivalent():
         a = run(loss_fn, adv=ADV)
         b = run(loss_fn, adv=ADV[:, None])
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        if not (isinstance(loss_fn, GSPOLoss) and loss_fn.level == "sequence"):
-            c = run(loss_fn, adv=ADV[:, None].expand(2, 3).clone())
-            assert close(a[0], c[0], 1e-15) and close(a[1], c[1], 1e-15)
+        c = run(loss_fn, adv=ADV[:, None].expand(2, 3).clone())
+        assert close(a[0], c[0], 1e-15) and close(a[1], c[1], 1e-15)
 
 
 def test_constructor_validation_and_registry():
