@@ -274,7 +274,7 @@ class GSPOLoss(nn.Module):
         lo, hi = 1 - self.clip_low, 1 + self.clip_high
         if self.level == "sequence":
             a = (adv * m).sum(-1) / n  # A_i; a (B, T) A is averaged over the row (per-token A: level="token")
-            seq = torch.maximum(-s * a, -s.clamp(lo, hi) * a) * (m.sum(-1) > 0)  # empty rows add 0
+            seq = torch.maximum(-s * a, -s.clamp(lo, hi) * a)  # an empty row has a = 0: it adds 0
             loss = seq.sum() / m.shape[0]
             clipped = (((a > 0) & (s > hi)) | ((a < 0) & (s < lo)))[:, None]  # the whole row's fate
         else:
