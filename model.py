@@ -221,7 +221,7 @@ def chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_entropy=F
     outs = []
     for i in range(0, B * T, chunk):
         args = (h[i:i + chunk], t[i:i + chunk], lm_head, temperature, return_entropy)
-        if torch.is_grad_enabled() and h.requires_grad:
+        if torch.is_grad_enabled():
             outs.append(checkpoint(_chunk_logp, *args, use_reentrant=False))
         else:
             outs.append(_chunk_logp(*args))
