@@ -1,0 +1,379 @@
+"""Data: tokenizer + chat templates, GSM8K, the synthetic arithmetic task, the tiny checkpoint, SFT examples.
+
+What this file provides
+- `Tokenizer`: a `tokenizers.Tokenizer` read from a checkpoint's tokenizer.json, plus the special tokens from
+  tokenizer_config.json (eos/pad/...) and generation_config.json (extra eos ids, e.g. Llama-3's <|eot_id|>).
+- Chat templates: rendered with jinja2 from the checkpoint's own `chat_template`, in the same sandboxed
+  environment transformers uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson` that
+  does not HTML-escape, `strftime_now`), with the same variables (`messages`, `add_generation_prompt`, the named
+  special tokens, `tools`/`documents` and any extra keyword). The tests check byte-identity against
+  transformers' `apply_chat_template`.
+- `load_gsm8k`: GSM8K from the hub (`openai/gsm8k`) or a local .jsonl/.parquet file as
+  {question, solution, target}, target = the number after "####" with commas stripped.
+- `make_arith`: the synthetic task that the CPU demo learns from scratch (../shared/notes/tiny-task.md):
+      question  "Sue has 11 eggs. She finds 65 more. How many eggs now?"
+      solution  " 11 + 65 = 76. The answer is 76."          target "76"
+  10 names x 10 objects x 4 verb templates per operator; a subtraction that would go negative becomes an
+  addition; difficulty = operand digit range; `exclude` filters training problems against eval sets.
+- `make_tiny_checkpoint`: a BPE tokenizer trained (deterministically) on that task, every digit its own token,
+  and a random Qwen2-architecture model in Hugging Face format that vLLM and transformers open as-is.
+- `sft_example`: token ids + a loss mask that is 1 exactly on assistant content and its end-of-turn token.
+- `pad_batch`: right- or left-padded LongTensors of ids and attention mask.
+
+Malformed rows (missing or empty question/answer, a non-numeric target) are skipped with a count and the
+first few shown; more than `max_bad_fraction` of them aborts, since that means the wrong file or format.
+Deliberately left out: sequence packing, streaming datasets, multimodal messages, `continue_final_message`.
+Nothing heavy is imported at module level (datasets, transformers, vLLM), so `import data` is fast.
+"""
+import json
+import random
+import re
+import sys
+import tempfile
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import torch
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat templates
+# ---------------------------------------------------------------------------------------------------------------
+# transformers passes these named special tokens (when set) to every template as strings.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    # Some templates wrap assistant turns in {% generation %}...{% endgeneration %} (transformers uses it to find
+    # assistant tokens). We only need it to parse; it renders its body unchanged.
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # jinja's own tojson HTML-escapes <, >, &, ' — chat templates expect plain JSON.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _token_str(v):
+    return v["content"] if isinstance(v, dict) else v  # tokenizer_config may store an AddedToken as a dict
+
+
+class Tokenizer:
+    """tokenizer.json + the special tokens and chat template of a Hugging Face checkpoint directory."""
+
+    def __init__(self, path):
+        path = Path(path)
+        self.tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
+        gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+        self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_TOKEN_NAMES if cfg.get(k) is not None}
+        extra = cfg.get("extra_special_tokens")
+        if isinstance(extra, dict):  # named model-specific tokens are template variables too (transformers v5)
+            self.special_tokens.update({k: _token_str(v) for k, v in extra.items()})
+        self.eos_token = self.special_tokens.get("eos_token")
+        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
+        gen_eos = gen.get("eos_token_id")
+        gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        if self.eos_token_id is None and gen_eos:
+            self.eos_token_id = gen_eos[0]
+        if self.eos_token_id is None:
+            raise ValueError(f"{path}: no eos_token in tokenizer_config.json nor eos_token_id in generation_config.json")
+        self.eos_token_ids = sorted({self.eos_token_id, *gen_eos})  # stop on any of them
+        pad = self.special_tokens.get("pad_token")
+        pad_id = self.tok.token_to_id(pad) if pad else None
+        self.pad_token_id = pad_id if pad_id is not None else gen.get("pad_token_id", self.eos_token_id)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        tmpl = cfg.get("chat_template")
+        if isinstance(tmpl, list):  # several named templates: use "default", as transformers does without tools
+            tmpl = {t["name"]: t["template"] for t in tmpl}.get("default")
+        if tmpl is None and (path / "chat_template.jinja").exists():  # transformers v5 saves it beside the config
+            tmpl = (path / "chat_template.jinja").read_text()
+        self.chat_template = tmpl
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False, **kw):
+        if self.chat_template is None:
+            raise ValueError("this checkpoint has no chat_template")
+        # Same variables as transformers: special tokens first, explicit keywords override them.
+        ctx = {**self.special_tokens, "tools": None, "documents": None, **kw}
+        text = _compile_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **ctx)
+        return self.encode(text) if tokenize else text
+
+
+def prompt_ids(tok: Tokenizer, question: str) -> list[int]:
+    """Token ids of a one-turn user prompt followed by the assistant header (what generation starts from)."""
+    return tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SFT examples and padding
+# ---------------------------------------------------------------------------------------------------------------
+def sft_example(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """ids and loss_mask for a (multi-turn) chat: 1 on each assistant message's content and its end-of-turn token.
+
+    The chat is rendered incrementally: render(messages[:i], add_generation_prompt=True) ends where assistant
+    message i's content begins and render(messages[:i+1]) ends where it stops, so the template's own headers are
+    never guessed. Each segment is tokenized on its own, which is exactly how the model sees it at generation
+    time (the prompt is tokenized, then the sampled tokens are appended). Template glue after the end-of-turn
+    token (ChatML's trailing newline) is not something the model generates, so it stays out of the mask.
+    """
+    spans, prev = [], ""  # (text, is_assistant)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            head = tok.apply_chat_template(messages[:i], add_generation_prompt=True) if i else ""
+            if not head.startswith(prev):
+                raise ValueError("chat template is not prefix-consistent; cannot locate assistant spans")
+            spans.append((head[len(prev):], False))
+            prev = head
+        text = tok.apply_chat_template(messages[: i + 1])
+        if not text.startswith(prev):
+            raise ValueError("chat template is not prefix-consistent; cannot locate assistant spans")
+        spans.append((text[len(prev):], m["role"] == "assistant"))
+        prev = text
+    ids, loss_mask = [], []
+    for text, is_asst in spans:
+        seg = tok.encode(text)
+        seg_mask = [int(is_asst)] * len(seg)
+        if is_asst:
+            ends = [j for j, t in enumerate(seg) if t in tok.eos_token_ids]
+            if ends:  # zero the glue after the last end-of-turn token
+                seg_mask[ends[-1] + 1:] = [0] * (len(seg) - ends[-1] - 1)
+        ids += seg
+        loss_mask += seg_mask
+    return ids, loss_mask
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, side="right") -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad to the longest sequence. Returns ids (B, T) and mask (B, T) (1 = real token), both int64."""
+    assert side in ("right", "left"), side
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(0, len(s)) if side == "right" else slice(T - len(s), T)
+        ids[b, sl] = torch.tensor(s, dtype=torch.long)
+        mask[b, sl] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GSM8K and malformed rows
+# ---------------------------------------------------------------------------------------------------------------
+NUMBER = re.compile(r"-?\d+(\.\d+)?")
+
+
+def _keep_good(rows, parse, max_bad_fraction: float, what: str, show: int = 3) -> list[dict]:
+    """parse(row) -> record or raises ValueError(reason). Skip bad rows with a report; abort if too many."""
+    good, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            good.append(parse(row))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            bad.append((i, f"{type(e).__name__}: {e}"))
+    n = len(good) + len(bad)
+    if bad:
+        first = "; ".join(f"row {i}: {why}" for i, why in bad[:show])
+        print(f"{what}: skipped {len(bad)}/{n} malformed rows (first: {first})", file=sys.stderr)
+        if len(bad) > max_bad_fraction * n:
+            raise ValueError(f"{what}: {len(bad)}/{n} rows malformed, more than max_bad_fraction="
+                             f"{max_bad_fraction} (first: {first})")
+    return good
+
+
+def parse_gsm8k_row(row: dict) -> dict:
+    question, solution = row["question"], row["answer"]
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError("empty question")
+    if not isinstance(solution, str) or "####" not in solution:
+        raise ValueError("answer has no '####' line")
+    target = solution.rsplit("####", 1)[1].strip().replace(",", "")
+    if not NUMBER.fullmatch(target):
+        raise ValueError(f"non-numeric target {target!r}")
+    return {"question": question, "solution": solution, "target": target}
+
+
+def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", max_bad_fraction: float = 0.01) -> list[dict]:
+    """GSM8K as [{question, solution, target}]. `source` is a local .jsonl/.parquet file, a directory holding
+    `<split>.jsonl` / `<split>*.parquet`, or a hub dataset name (needs network and the `datasets` cache)."""
+    p = Path(source)
+    if p.is_dir():
+        found = sorted(p.glob(f"{split}.jsonl")) + sorted(p.glob(f"{split}*.parquet"))
+        if not found:
+            raise FileNotFoundError(f"no {split}.jsonl or {split}*.parquet in {p}")
+        p = found[0]
+    if p.suffix == ".jsonl":
+        with open(p) as f:
+            lines = [line for line in f if line.strip()]
+        rows = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                rows.append(None)  # counted as malformed below (TypeError on subscript)
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq  # installed with datasets
+        rows = pq.read_table(p).to_pylist()
+    elif p.exists():
+        raise ValueError(f"{p}: expected a .jsonl or .parquet file")
+    else:
+        import datasets  # hub name, e.g. openai/gsm8k (config "main")
+        rows = datasets.load_dataset(source, "main", split=split)
+    return _keep_good(rows, parse_gsm8k_row, max_bad_fraction, f"gsm8k {source} [{split}]")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The synthetic arithmetic task (../shared/notes/tiny-task.md)
+# ---------------------------------------------------------------------------------------------------------------
+NAMES = [("Sue", "She"), ("Tom", "He"), ("Ann", "She"), ("Bob", "He"), ("Mia", "She"),
+         ("Sam", "He"), ("Eva", "She"), ("Max", "He"), ("Zoe", "She"), ("Leo", "He")]
+OBJECTS = ["eggs", "apples", "books", "coins", "pens", "cards", "shells", "stamps", "cups", "balls"]
+VERBS = {"+": ["finds {b} more", "buys {b} more", "gets {b} more", "wins {b} more"],
+         "-": ["loses {b}", "gives away {b}", "sells {b}", "drops {b}"]}
+
+
+def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
+    d = rng.randint(min_digits, max_digits)
+    return rng.randint(1 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
+
+
+def make_arith(n: int, seed: int, min_digits: int = 1, max_digits: int = 2, exclude=()) -> list[dict]:
+    """n word problems {question, solution, target}, a pure function of the arguments. Operands have between
+    min_digits and max_digits digits. `exclude`: questions (or records) to leave out, e.g. the eval set.
+    Prefix-stable: make_arith(n, s)[:k] == make_arith(k, s) when nothing is excluded."""
+    assert 1 <= min_digits <= max_digits, (min_digits, max_digits)
+    rng = random.Random(seed)
+    excluded = {e["question"] if isinstance(e, dict) else e for e in exclude}
+    out, tries = [], 0
+    while len(out) < n:
+        tries += 1
+        if tries > 100 * n + 1000:
+            raise ValueError(f"could not draw {n} problems outside `exclude` ({len(out)} found)")
+        (name, pron), obj = rng.choice(NAMES), rng.choice(OBJECTS)
+        a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
+        op = rng.choice("+-")
+        verb = rng.choice(VERBS[op])  # drawn before the flip so the random stream does not depend on it
+        if op == "-" and b > a:  # no negative counts: the problem becomes an addition
+            op, verb = "+", VERBS["+"][VERBS["-"].index(verb)]
+        c = a + b if op == "+" else a - b
+        question = f"{name} has {a} {obj}. {pron} {verb.format(b=b)}. How many {obj} now?"
+        if question in excluded:
+            continue
+        out.append({"question": question, "solution": f" {a} {op} {b} = {c}. The answer is {c}.", "target": str(c)})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tiny tokenizer and checkpoint
+# ---------------------------------------------------------------------------------------------------------------
+SPECIALS = ["<pad>", "<unk>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]  # ids 0..5; <|end|> = eos
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+# Qwen2's pre-tokenizer split. NOTE: transformers 5 rebuilds the tokenizer of every model_type "qwen2" checkpoint
+# as Qwen2Tokenizer (NFC, this split, byte-level BPE) from tokenizer.json's vocab and merges, ignoring the rest of
+# its pipeline; vLLM loads it through transformers. So the tiny tokenizer uses exactly that pipeline, or the three
+# would tokenize differently. It spells every number digit by digit (\p{N} matches one digit), which lets the
+# model learn carrying; the price is that the space before a number is a token of its own.
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def make_tiny_tokenizer(path, vocab_size: int = 384) -> Path:
+    """Train the arithmetic BPE tokenizer and write tokenizer.json + tokenizer_config.json into `path`.
+    256 byte tokens (any text encodes) + 6 specials + merges learnt on the task's text. Deterministic: a fixed
+    corpus (make_arith with its own seed) and BPE's deterministic merge order (ties broken by pair id)."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = _HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [t for r in make_arith(4000, seed=1234, min_digits=1, max_digits=3) for t in (r["question"], r["solution"])]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|end|>", "pad_token": "<pad>",
+              "unk_token": "<unk>", "extra_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>"],
+              "chat_template": TINY_CHAT_TEMPLATE, "model_max_length": 2048, "clean_up_tokenization_spaces": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64, intermediate_size=384,
+                         tie_word_embeddings=True) -> Path:
+    """A random tiny model (init N(0, 0.02), output projections N(0, 0.02/sqrt(2L)), norms 1, biases 0) with the
+    arithmetic tokenizer, in Hugging Face format. Idempotent: returns early if `path` holds the same settings."""
+    from model import ModelConfig, Transformer
+    settings = dict(seed=seed, model_type=model_type, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                    num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                    head_dim=head_dim, intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings)
+    path = Path(path)
+    stamp = path / "nanoforge_tiny.json"  # written last, so a half-written directory is redone
+    if stamp.exists() and json.loads(stamp.read_text()) == settings:
+        return path
+    assert head_dim >= 32, "vLLM's CPU attention rejects head_dim 16"
+    with tempfile.TemporaryDirectory() as tok_dir:
+        tok = Tokenizer(make_tiny_tokenizer(tok_dir))
+        cfg = ModelConfig(model_type=model_type, vocab_size=-(-tok.vocab_size // 64) * 64,  # rounded up: 384
+                          hidden_size=hidden_size,
+                          intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+                          num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                          head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+                          max_position_embeddings=2048, tie_word_embeddings=tie_word_embeddings,
+                          attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
+        model = Transformer(cfg)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # our own init, in name order, so the weights depend on the seed alone
+            for name, p in sorted(model.named_parameters()):
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    out_proj = name.endswith(("o_proj.weight", "down_proj.weight"))
+                    p.copy_(torch.randn(p.shape, generator=g) * (0.02 / (2 * num_hidden_layers) ** 0.5 if out_proj else 0.02))
+        model.save_pretrained(path, tokenizer_dir=tok_dir)
+    # eos/pad ids where vLLM and transformers' generate() look for them
+    ids = {"bos_token_id": None, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    hf = {**json.loads((path / "config.json").read_text()), **ids}
+    if "dtype" not in hf:
+        hf["torch_dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    (path / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    stamp.write_text(json.dumps(settings, indent=2) + "\n")
+    return path
