@@ -21,9 +21,12 @@ The three families differ only in small switches (all read from the checkpoint's
 Embeddings may be tied (lm_head.weight is the same Parameter as model.embed_tokens.weight) or not.
 
 Parameter names are exactly the Hugging Face ones, so checkpoints load and save, and weights sync to vLLM, with no
-renaming. `forward(..., targets=...)` returns fp32 per-token log-probs log_softmax(logits / temperature)[target]
-(and optionally the entropy) computed chunk by chunk, so the (B, T, V) fp32 tensor never exists at once, in the
-forward nor (through per-chunk recomputation) in the backward.
+renaming. Batches may be left- or right-padded (attention_mask, positions = cumsum(mask) - 1, so a padded row gives
+the logits of the same sequence alone); positions that restart at 0 without a mask mean packed documents, which
+attend only within themselves. A preallocated KVCache lets the same forward prefill and decode.
+`forward(..., targets=...)` returns fp32 per-token log-probs log_softmax(logits / temperature)[target] (and
+optionally the entropy) computed chunk by chunk, so the (B, T, V) fp32 tensor never exists at once, in the forward
+nor (through per-chunk recomputation) in the backward.
 
 Left out on purpose: MoE, sliding-window attention, other RoPE scalings (yarn, dynamic, linear), partial rotary,
 mlp bias, tensor-parallel-aware shapes beyond "heads are inferred with view(..., -1, head_dim)", quantisation.
