@@ -51,6 +51,7 @@ import torch.distributed as tdist
 import config
 import data
 import dist
+import generator
 import losses
 import rewards
 
@@ -169,7 +170,7 @@ def validate(cfg, world_size):
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
     try:
         losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise err(f"loss.kwargs: {e}") from None
     if cfg.loss.adv not in ("grpo", "drgrpo", "rloo", "reinforce_pp"):
         raise err(f"loss.adv: {cfg.loss.adv!r} is not one of grpo, drgrpo, rloo, reinforce_pp")
@@ -232,14 +233,11 @@ def resolve_model(path, make_tiny):
 
 
 def build_generator(cfg, path, max_model_len):
-    import generator
-    if cfg.rollout.backend == "torch":
-        return generator.TorchGenerator(path, max_model_len=max_model_len, seed=cfg.train.seed)
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    return generator.VLLMGenerator(path, max_model_len=max_model_len, seed=cfg.train.seed,
-                                   kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20,
-                                   max_num_seqs=max(batch, 64),
-                                   dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "float32")
+    kw = dict(max_model_len=max_model_len, seed=cfg.train.seed)
+    if cfg.rollout.backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch
+        kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
+                  max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems))
+    return generator.make_generator(cfg.rollout.backend, path, **kw)
 
 
 def load_tasks(cfg, tok):
@@ -281,9 +279,7 @@ def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, 
                        top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
                        top_k=cfg.rollout.top_k if temperature > 0 else -1,
                        max_tokens=cfg.rollout.max_tokens, seed=seed)
-    if len(out) != len(mine) or any(len(c) != n for c in out):
-        raise RuntimeError(f"generator returned {[len(c) for c in out]} completions for {len(mine)} prompts "
-                           f"x n={n}")
+    generator.check_completions(out, len(mine), n)  # fewer completions than asked: an error, not a shape crash
     return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
 
 
@@ -300,7 +296,7 @@ def collect(local, num_problems):
     return groups, gen_s
 
 
-def score(groups, problems, tok, reward_fns, cfg):
+def score(groups, problems, reward_fns, cfg, pool=None):
     """Rewards (B, G) of this rank's groups; the MathReward component doubles as accuracy."""
     prompts, responses, targets = [], [], []
     for p, comps in zip(problems, groups):
@@ -308,8 +304,8 @@ def score(groups, problems, tok, reward_fns, cfg):
             prompts.append(p["question"])
             responses.append(c.text)
             targets.append(str(p["target"]))
-    total, stats = rewards.score_batch(reward_fns, prompts, responses, targets,
-                                       timeout_s=cfg.rollout.reward_timeout_s, workers=cfg.rollout.reward_workers)
+    total, stats = rewards.score_batch(reward_fns, None, prompts, responses, targets,
+                                       timeout_s=cfg.rollout.reward_timeout_s, pool=pool)
     return torch.tensor(total, dtype=torch.float32).view(len(groups), -1), stats
 
 
@@ -426,7 +422,7 @@ def mismatch(train_logp, gen_logp, mask):
             "mismatch/kl": float(masked_mean(torch.exp(d) - d - 1, mask))}
 
 
-def evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, step, is_trainer=True):
+def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_trainer=True):
     """Greedy pass@1 (and pass@k) on the held-out set; generation shared by all producers."""
     local = None
     if gen is not None:
@@ -439,10 +435,10 @@ def evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, step,
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
     if not is_trainer:
         return None
-    r, _ = score(greedy, held_out, tok, {"math": reward_fns["math"]}, cfg)
+    r, _ = score(greedy, held_out, {"math": reward_fns["math"]}, cfg)
     out = {"eval/pass@1": float((r >= 1).float().mean())}
     if cfg.eval.pass_k:
-        rk, _ = score(sampled, held_out, tok, {"math": reward_fns["math"]}, cfg)
+        rk, _ = score(sampled, held_out, {"math": reward_fns["math"]}, cfg)
         out[f"eval/pass@{cfg.eval.pass_k}"] = float((rk >= 1).any(dim=1).float().mean())
     return out
 
@@ -455,18 +451,17 @@ def eval_due(step, cfg):
     return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
 
 
-def generator_loop(gen, roles, cfg, train, held_out, tok, reward_fns, start):
+def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
     """A dedicated generator rank: the trainer's sequence of collectives, with generation between."""
     producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
     B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    group = dist.sync_group(roles)
     gen_step = lambda s: generate_share(gen, step_prompts(train, s, B, cfg.train.seed), producer, num_producers,
                                         G, cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
     receive = lambda version: lambda named: gen.update_weights(named, version)  # noqa: E731
     if start > 0:  # resumed: take the restored weights before generating anything
         dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
     if start == 0:
-        evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, 0, is_trainer=False)
+        evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0, is_trainer=False)
     pending = None
     for s in range(start, cfg.train.steps):
         local = pending or gen_step(s)
@@ -476,7 +471,7 @@ def generator_loop(gen, roles, cfg, train, held_out, tok, reward_fns, start):
         if sync_due(s, cfg):  # version = optimizer steps taken
             dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         if eval_due(s, cfg):
-            evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, s + 1, is_trainer=False)
+            evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
 
 
 def make_rewards(cfg):
@@ -522,6 +517,8 @@ def main(argv=None):
     group = dist.sync_group(roles)
     train, held_out, num_dropped = load_tasks(cfg, tok)
     reward_fns = make_rewards(cfg)
+    pool = rewards.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) if cfg.rollout.reward_workers \
+        and roles.is_trainer else None
     resume = [None, 0]  # (checkpoint dir, step): trainer rank 0 decides, every rank learns
     if roles.rank == 0 and cfg.ckpt.resume:
         ck = dist.latest_checkpoint(out / "ckpt") if cfg.ckpt.resume == "auto" else Path(cfg.ckpt.resume)
@@ -529,7 +526,7 @@ def main(argv=None):
     tdist.broadcast_object_list(resume, src=0)
     ckpt_path, start = resume
     if roles.is_generator:
-        generator_loop(gen, roles, cfg, train, held_out, tok, reward_fns, start)
+        generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
@@ -556,8 +553,8 @@ def main(argv=None):
     is_log = roles.rank == 0
     wandb_run = None
     if is_log:
-        resolved = json.dumps(config.to_dict(vars(cfg)), indent=1)
-        print(resolved)
+        resolved = json.dumps(config.to_dict(vars(cfg)))
+        print("config:", resolved)
         (out / "config.json").write_text(resolved)
         if start == 0:
             (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -566,7 +563,7 @@ def main(argv=None):
     from tqdm import tqdm
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
     if start == 0:
-        ev = evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, 0)
+        ev = evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         if is_log:
             log_step({"step": 0, **ev}, out, None, wandb_run)
     skipped_total, skipped_run = 0, 0
@@ -586,7 +583,7 @@ def main(argv=None):
         problems, groups = problems[lo:hi], groups[lo:hi]
         # 4c. rewards (B/dp, G)
         t0 = time.perf_counter()
-        r, rstats = score(groups, problems, tok, reward_fns, cfg)
+        r, rstats = score(groups, problems, reward_fns, cfg, pool)
         lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
         reward_s = time.perf_counter() - t0
         # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
@@ -644,7 +641,7 @@ def main(argv=None):
         tdist.all_reduce(vec, group=mesh["dp_shard"].get_group())
         row = {k: float(v) / dp for k, v in zip(keys, vec)}
         if eval_due(s, cfg):
-            row.update(evaluate(gen, held_out, producer, num_producers, cfg, tok, reward_fns, s + 1))
+            row.update(evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
         if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0:
             dist.save_checkpoint(out / "ckpt", s + 1, model, opt, {"sched": sched.state_dict()})
         row["perf/step_s"] = time.perf_counter() - t_step
