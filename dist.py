@@ -1,0 +1,351 @@
+"""torch.distributed for nanoforge: rank roles, the trainer mesh (FSDP2 + tensor parallel), weight sync to the
+generator ranks, atomic distributed checkpoints, Hugging Face export. CPU runs gloo, GPU runs NCCL: one code path.
+
+Rank roles. `torchrun --nproc_per_node=N train_grpo.py ...` with `generator_ranks=G`: the last G ranks each run one
+vLLM engine, the first N - G train on a (dp_shard, tp) device mesh. G = 0 is "colocated": every trainer rank hosts
+its own generator and weights are handed over in-process (the single-GPU and CPU mode).
+
+    rank       0 ........... N-G-1 | N-G ........ N-1
+    role       trainers (dp_shard x tp mesh) | generators (one vLLM engine each)
+    sync       rank 0 --- broadcast buckets ---> every generator     (group {0} + generators)
+
+Start order. vLLM's in-process engine creates its own private 1-rank default process group; if the world group
+already exists it adopts it instead and makes its internal `new_group` calls on it, which are collective over the
+whole world, and the trainer ranks never make them: a deadlock. So a generator rank builds its engine first,
+releases that private group (generator.VLLMGenerator.release_default_group()), and only then calls
+init_distributed(). Trainer ranks simply wait in init_process_group until the generators arrive.
+
+Collective order. `new_group` is collective over the world, so EVERY rank calls trainer_mesh() and sync_group(), in
+that order (generators get None from trainer_mesh). All groups get the same timeout, so a lost peer surfaces as an
+error within `timeout_s` instead of a hang (and torchrun's agent kills the survivors as soon as any worker dies).
+
+Mesh. Trainer rank r sits at (r // tp, r % tp): TP neighbours are adjacent ranks (same node). TP first (torchtitan's
+plan: q/k/v/gate/up split by output columns, o/down by input rows, so one all-reduce per attention and per MLP;
+model.py infers its head count from the weights, so a TP shard just has fewer heads), then FSDP2 `fully_shard` per
+block and on the root over the dp_shard dimension.
+
+Weight sync. Trainers materialise one full tensor at a time (DTensor.full_tensor(), collective over the trainer
+mesh); trainer rank 0 copies them into a ~bucket_mb byte buffer and broadcasts each full buffer, so a 7B model moves
+in ~60 large broadcasts instead of ~300 small ones. Names, shapes, dtypes and offsets cross the wire once (cached).
+Generators unpack zero-copy views (name, tensor) lazily and hand them to `receive`. Parameter names are HF names, a
+tied lm_head goes once as model.embed_tokens.weight (vLLM re-ties it on load).
+
+Checkpoints. torch.distributed.checkpoint writes every rank's shards in parallel and reshards on load (another mesh
+may resume). A save goes to step_N.tmp, is renamed to step_N, and a COMPLETE marker is written last: a crash at any
+point leaves nothing that latest_checkpoint() would pick up.
+
+Left out: pipeline/context parallelism, HSDP (replicated dp), vLLM engines spanning several ranks, async checkpoints.
+"""
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._composable import checkpoint as checkpoint_activations  # keeps parameter names (no wrapper)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+_TIMEOUT = timedelta(minutes=10)  # set by init_distributed; every group we create uses it
+_TRAINER_GROUP = None             # the trainer ranks (checkpoints); set by trainer_mesh
+_SYNC_PLANS = {}                  # sync group -> bucket plan, so metadata crosses the wire once
+
+
+@dataclass
+class Roles:
+    rank: int
+    world_size: int
+    local_rank: int
+    trainer_ranks: list[int]
+    generator_ranks: list[int]
+    is_trainer: bool
+    is_generator: bool
+    colocated: bool  # no generator ranks: each trainer rank hosts its own generator
+    device: torch.device
+
+
+def get_roles(generator_ranks: int) -> Roles:
+    """Roles from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain `python` is a world of 1)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not 0 <= generator_ranks < world:
+        raise ValueError(f"generator_ranks={generator_ranks} must be >= 0 and < world_size={world} "
+                         f"(at least one trainer rank is needed; use torchrun --nproc_per_node)")
+    trainers, generators = list(range(world - generator_ranks)), list(range(world - generator_ranks, world))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return Roles(rank, world, local_rank, trainers, generators, rank in trainers, rank in generators,
+                 not generators, device)
+
+
+def init_distributed(roles: Roles, timeout_s: float = 600) -> None:
+    """Join the torchrun world. On a generator rank: only after the vLLM engine exists and released its group."""
+    global _TIMEOUT
+    _TIMEOUT = timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError("a default process group already exists; on a generator rank call "
+                           "VLLMGenerator.release_default_group() before init_distributed()")
+    kw = {}
+    if "MASTER_ADDR" not in os.environ:  # plain python: a world of one needs no rendezvous
+        kw["store"] = dist.HashStore()
+    if roles.device.type == "cuda":
+        kw["device_id"] = roles.device
+    backend = "cpu:gloo,cuda:nccl" if roles.device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=roles.rank, world_size=roles.world_size, timeout=_TIMEOUT, **kw)
+
+
+def _new_group(ranks):
+    """Collective over the world: every rank calls it with the same ranks, members get the group, others None."""
+    group = dist.new_group(ranks, timeout=_TIMEOUT)
+    return group if dist.get_rank() in ranks else None
+
+
+def trainer_mesh(roles: Roles, dp_shard: int, tp: int) -> DeviceMesh | None:
+    """A (dp_shard, tp) mesh over the trainer ranks; every rank must call this (generators get None)."""
+    global _TRAINER_GROUP
+    n = len(roles.trainer_ranks)
+    if dp_shard * tp != n:
+        raise ValueError(f"dp_shard * tp = {dp_shard} * {tp} = {dp_shard * tp} must equal the number of trainer "
+                         f"ranks {n} (= world_size {roles.world_size} - generator_ranks {len(roles.generator_ranks)})")
+    grid = torch.tensor(roles.trainer_ranks).view(dp_shard, tp)
+    _TRAINER_GROUP = _new_group(roles.trainer_ranks)
+    dp_groups = [_new_group(grid[:, j].tolist()) for j in range(tp)]     # ranks that hold the same TP shard
+    tp_groups = [_new_group(grid[i].tolist()) for i in range(dp_shard)]  # ranks that split one layer
+    if not roles.is_trainer:
+        return None
+    dp_group = next(g for g in dp_groups if g is not None)
+    tp_group = next(g for g in tp_groups if g is not None)
+    return DeviceMesh.from_group([dp_group, tp_group], roles.device.type, mesh=grid,
+                                 mesh_dim_names=("dp_shard", "tp"))
+
+
+# Per transformer block, relative to model.model.layers[i] (torchtitan style). Colwise splits the output features
+# (whole heads / MLP channels per rank), rowwise splits the input features and all-reduces the output.
+TP_PLAN = {
+    "self_attn.q_proj": ColwiseParallel(),
+    "self_attn.k_proj": ColwiseParallel(),
+    "self_attn.v_proj": ColwiseParallel(),
+    "self_attn.o_proj": RowwiseParallel(),
+    "mlp.gate_proj": ColwiseParallel(),
+    "mlp.up_proj": ColwiseParallel(),
+    "mlp.down_proj": RowwiseParallel(),
+}
+
+
+def shard_model(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, activation_checkpointing=False):
+    """TP (when mesh["tp"] > 1), then FSDP2 per block and on the root. In place; returns the model.
+    param_dtype: compute dtype of the gathered params (bf16 on GPU; None = keep the stored fp32 on CPU); the
+    sharded master weights, grads and optimizer state stay in the stored dtype, reduce_dtype is the grad reduction."""
+    cfg, tp = model.cfg, mesh["tp"].size()
+    if tp > 1:
+        if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp or cfg.intermediate_size % tp:
+            raise ValueError(f"tp={tp} must divide num_attention_heads ({cfg.num_attention_heads}), "
+                             f"num_key_value_heads ({cfg.num_key_value_heads}) and intermediate_size "
+                             f"({cfg.intermediate_size})")
+        for block in model.model.layers:
+            parallelize_module(block, mesh["tp"], TP_PLAN)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.model.layers:
+        if activation_checkpointing:
+            checkpoint_activations(block)  # recompute the block in backward: store only its input
+        fully_shard(block, mesh=mesh["dp_shard"], mp_policy=mp)
+    fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp)  # embed, final norm, lm_head (one group: tie survives)
+    if cfg.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("sharding broke the tie between lm_head.weight and model.embed_tokens.weight")
+    return model
+
+
+def clip_grad_norm_(model, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a sharded model. With TP the grads live on two meshes (2-D for the split
+    linears, 1-D dp_shard for the rest) and torch's version stacks them all into one tensor, which DTensor refuses:
+    take one norm per (mesh, placements) group, then combine. Returns the total norm before clipping."""
+    groups = {}  # (mesh, placements) -> parameters whose grads are laid out that way
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad
+            groups.setdefault((g.device_mesh, g.placements) if isinstance(g, DTensor) else None, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params]) for params in groups.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]  # sums the shards' squares
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def sync_group(roles: Roles):
+    """{trainer rank 0} + generator ranks; every rank must call this. None when colocated and on other trainers."""
+    if roles.colocated:
+        return None
+    return _new_group([roles.trainer_ranks[0], *roles.generator_ranks])
+
+
+def _full_params(model):
+    """(hf_name, full tensor), one parameter at a time. Collective over the trainer mesh for DTensors.
+    named_parameters() yields a tied lm_head once, as model.embed_tokens.weight."""
+    for name, p in model.named_parameters():
+        p = p.detach()
+        yield name, p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def _bucket_plan(model, bucket_bytes):
+    """[(bucket_nbytes, [(name, shape, dtype, byte_offset), ...]), ...] in named_parameters() order."""
+    plan, entries, size = [], [], 0
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if entries and size + nbytes > bucket_bytes:
+            plan.append((size, entries))
+            entries, size = [], 0
+        entries.append((name, tuple(p.shape), p.dtype, size))
+        size += -(-nbytes // 64) * 64  # 64-byte aligned offsets: every dtype view of the buffer is valid
+    if entries:
+        plan.append((size, entries))
+    return plan
+
+
+def broadcast_weights(model, group, roles: Roles, bucket_mb=256, receive=None) -> dict:
+    """Trainers -> generators (see the module docstring). Every trainer rank and every generator calls it.
+    Returns {"sync/bytes", "sync/seconds", "sync/gbps"} (gbps = gigabytes per second)."""
+    t0, nbytes = time.perf_counter(), 0
+    src = roles.trainer_ranks[0]
+    if roles.colocated:  # in-process handover: each trainer rank feeds its own generator
+        def counted():
+            nonlocal nbytes
+            for name, t in _full_params(model):
+                nbytes += t.numel() * t.element_size()
+                yield name, t
+        it = counted()
+        receive(it)
+        for _ in it:  # a receiver that stopped early must not leave the other trainers in full_tensor()
+            pass
+    elif roles.is_trainer and roles.rank != src:
+        for _ in _full_params(model):  # full_tensor() is collective over the mesh: take part, send nothing
+            pass
+    else:
+        if group not in _SYNC_PLANS:
+            obj = [_bucket_plan(model, int(bucket_mb * (1 << 20))) if roles.rank == src else None]
+            dist.broadcast_object_list(obj, src=src, group=group, device=torch.device("cpu"))
+            _SYNC_PLANS[group] = obj[0]
+        plan = _SYNC_PLANS[group]
+        if roles.rank == src:
+            params = _full_params(model)
+            for size, entries in plan:
+                buf = torch.empty(size, dtype=torch.uint8, device=roles.device)
+                for name, shape, dtype, off in entries:
+                    pname, t = next(params)
+                    if pname != name or tuple(t.shape) != shape or t.dtype != dtype:
+                        raise RuntimeError(f"model changed since the first sync: {pname} vs cached {name}")
+                    buf[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+                dist.broadcast(buf, src=src, group=group)
+                nbytes += size
+        else:
+            def unpack():
+                nonlocal nbytes
+                for size, entries in plan:
+                    buf = torch.empty(size, dtype=torch.uint8, device=roles.device)
+                    dist.broadcast(buf, src=src, group=group)
+                    nbytes += size
+                    for name, shape, dtype, off in entries:
+                        numel = torch.Size(shape).numel()
+                        yield name, buf[off:off + numel * dtype.itemsize].view(dtype).view(shape)
+            it = unpack()
+            receive(it)
+            for _ in it:  # finish the broadcasts even if the receiver stopped early: the sender is still sending
+                pass
+    seconds = time.perf_counter() - t0
+    return {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+
+def _group_rank():
+    return dist.get_rank(_TRAINER_GROUP) if _TRAINER_GROUP is not None else dist.get_rank()
+
+
+def save_checkpoint(ckpt_dir, step, model, optimizer, extra: dict) -> Path:
+    """Model + optimizer (sharded, DCP) + this rank's `extra` into <ckpt_dir>/step_<step>/. Trainer ranks only."""
+    ckpt_dir = Path(ckpt_dir)
+    final, tmp = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.tmp"
+    rank = _group_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier(_TRAINER_GROUP)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=_TRAINER_GROUP)
+    torch.save(extra, tmp / f"extra_rank{rank}.pt")  # per rank: RNG states differ between ranks
+    dist.barrier(_TRAINER_GROUP)
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # re-saving a step (after a resume) replaces it
+        tmp.rename(final)
+        with open(final / "COMPLETE", "w") as f:  # written last: its presence means every file above is there
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+    dist.barrier(_TRAINER_GROUP)
+    return final
+
+
+def latest_checkpoint(ckpt_dir) -> Path | None:
+    """Newest step_<N> with a COMPLETE marker. Partial ones (a crash mid-save) are removed by rank 0.
+    Call it at startup, not while a save is in flight."""
+    ckpt_dir, best = Path(ckpt_dir), None
+    if not ckpt_dir.is_dir():
+        return None
+    for p in ckpt_dir.glob("step_*"):
+        n = p.name.removeprefix("step_")
+        if p.is_dir() and n.isdigit() and (p / "COMPLETE").exists():
+            best = max(best or (-1, p), (int(n), p))
+        elif not dist.is_initialized() or dist.get_rank() == 0:
+            shutil.rmtree(p, ignore_errors=True)
+    return best and best[1]
+
+
+def load_checkpoint(path, model, optimizer) -> dict:
+    """Restore model + optimizer in place (any mesh: DCP reshards); returns this rank's `extra`."""
+    path = Path(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # the target layout: our shards of every tensor
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path, process_group=_TRAINER_GROUP)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = path / f"extra_rank{_group_rank()}.pt"
+    if not extra.exists():  # resumed on more ranks than saved: fall back to rank 0's
+        extra = path / "extra_rank0.pt"
+    return torch.load(extra, weights_only=False)
+
+
+def export_hf(model, path, tokenizer_dir=None):
+    """Full weights as a Hugging Face checkpoint (collective on trainers; trainer rank 0 writes)."""
+    import model as model_lib  # sibling file; imported here so dist.py does not depend on it otherwise
+    rank = _group_rank() if dist.is_initialized() else 0
+    full = {name: t.to("cpu", copy=True) for name, t in _full_params(model) if rank == 0}
+    if rank == 0:
+        with torch.device("meta"):  # no random init; to_empty() keeps a tied lm_head tied
+            out = model_lib.Transformer(model.cfg)
+        out = out.to_empty(device="cpu")
+        if model.cfg.tie_word_embeddings:  # to_empty() gives each module its own tensor: re-tie
+            out.lm_head.weight = out.model.embed_tokens.weight
+        missing = out.load_state_dict(full, strict=False).missing_keys
+        if set(missing) - {"lm_head.weight"} or (missing and not model.cfg.tie_word_embeddings):
+            raise RuntimeError(f"export_hf: no full tensor for {missing}")
+        out.name_or_path = getattr(model, "name_or_path", None)
+        out.save_pretrained(path, tokenizer_dir=tokenizer_dir)
+    if dist.is_initialized():
+        dist.barrier(_TRAINER_GROUP)
+    return Path(path)
+
+
+def shutdown():
+    """Orderly teardown: wait for everyone, then destroy the groups (a rank leaving early can abort the others)."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(wait_all_ranks=True)  # on timeout, names the ranks that never arrived
+    else:
+        dist.barrier()
+    dist.destroy_process_group()

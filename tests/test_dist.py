@@ -1,0 +1,110 @@
+"""dist.py under real torchrun + gloo on CPU. Each test launches tests/_dist_worker.py once (several checks per
+launch; a launch costs seconds of imports on 2 cores) and asserts on what the ranks wrote. Oracles: the same model
+unsharded on one rank, the trainer's full tensors (bit for bit), a run that never stopped."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import model as M
+
+WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
+
+
+def launch(scenario, out, nproc=2, timeout=150, torchrun=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(WORKER), scenario, str(out)] if torchrun else [sys.executable, str(WORKER), scenario, str(out)]
+    start = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr, time.time() - start
+
+
+def results(out, scenario, rank):
+    return json.loads((Path(out) / f"{scenario}_rank{rank}.json").read_text())
+
+
+def assert_ok(rc, log):
+    # exit codes matter: an unordered teardown shows up as SIGABRT (-6) on one rank after all checks passed
+    assert rc == 0, log[-4000:]
+
+
+def test_fsdp_tp_match_one_rank_colocated_sync_and_resume(tmp_path):
+    rc, log, _ = launch("trainers2", tmp_path)
+    assert_ok(rc, log)
+    for rank in (0, 1):
+        res = results(tmp_path, "trainers2", rank)
+        for name in ("fsdp", "tp", "fsdp_ac"):  # vs one unsharded rank on the whole batch, fp32
+            r = res[name]
+            assert r["loss"] <= 1e-5 and r["grad_norm"] <= 1e-5, (name, r)
+            assert r["grad"] <= 1e-5 and r["param_after_step"] <= 1e-5, (name, r)
+            assert r["tied"] and r["names"], (name, r)  # tie survives sharding; HF names unchanged
+        col = res["colocated"]
+        assert col["equal"] and col["names"][0] == "model.embed_tokens.weight"
+        assert "lm_head.weight" not in col["names"]  # tied: sent once, as embed_tokens
+        assert col["stats"]["sync/bytes"] > 0
+        ck = res["ckpt"]
+        assert ck["path"] == "step_1" and ck["extra_step"] == 1 and ck["extra_rank"] == rank
+        assert ck["rng_equal"]
+        assert ck["resume_diff"] == 0.0  # same mesh: bit-exact resume
+        assert ck["reshard_tp_diff"] <= 1e-5  # resumed on a TP=2 mesh: DCP resharded params + Adam state
+        assert ck["leftovers"] == ["step_1"]  # truncated step_5 (no COMPLETE) and step_7.tmp removed
+
+
+@pytest.mark.parametrize("nproc,dp_shard", [(2, 1), (3, 2)])
+def test_broadcast_weights_bit_exact(tmp_path, nproc, dp_shard):
+    scenario = f"sync{nproc}"
+    rc, log, _ = launch(scenario, tmp_path, nproc=nproc)
+    assert_ok(rc, log)
+    gen = results(tmp_path, scenario, nproc - 1)
+    for i in range(2):  # first sync sends metadata, second (after a training step) reuses the cached plan
+        want = torch.load(tmp_path / f"sync{dp_shard}_want{i}.pt")
+        got = torch.load(tmp_path / f"sync{dp_shard}_got{i}.pt")
+        assert got.keys() == want.keys() and "lm_head.weight" in want  # untied: lm_head is sent
+        for n in want:
+            assert torch.equal(got[n], want[n]), n
+        assert gen[f"sync{i}"]["names"] == list(want)
+        sent = sum(t.numel() * t.element_size() for t in want.values())
+        stats = results(tmp_path, scenario, 0)[f"sync{i}"]["stats"]
+        assert sent <= stats["sync/bytes"] < sent + 64 * len(want)  # only alignment padding on top
+        assert gen[f"sync{i}"]["stats"]["sync/bytes"] == stats["sync/bytes"]
+    before, after = (torch.load(tmp_path / f"sync{dp_shard}_want{i}.pt") for i in (0, 1))
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the second sync carried new values
+    if dp_shard == 2:  # trainer subset of a 3-rank world: checkpoint resume and HF export
+        for rank in (0, 1):
+            ck = results(tmp_path, scenario, rank)["ckpt"]
+            assert ck["extra_step"] == 3 and ck["resume_diff"] == 0.0
+        exported = M.Transformer.from_pretrained(tmp_path / "hf3")
+        want = torch.load(tmp_path / "hf3_want.pt")
+        for n, p in exported.named_parameters():
+            assert torch.equal(p, want[n]), n
+
+
+def test_plain_python_is_a_world_of_one(tmp_path):
+    rc, log, _ = launch("world1", tmp_path, torchrun=False, timeout=90)
+    assert_ok(rc, log)
+    res = results(tmp_path, "world1", 0)
+    assert res["roles"] == [0, 1, True, True] and res["equal"]
+    exported = M.Transformer.from_pretrained(tmp_path / "hf1")
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+
+
+def test_dead_rank_fails_fast_and_names_it(tmp_path):
+    # rank 1 calls os._exit(1) while rank 0 is in an all_reduce: torchrun's agent must stop the survivor and
+    # exit non-zero naming rank 1, well within the 10 s process-group timeout (no hang)
+    rc, log, wall = launch("die", tmp_path, timeout=60)
+    assert rc != 0
+    assert "rank      : 1 (local_rank: 1)" in log and "exitcode  : 1" in log, log[-3000:]
+    assert wall < 40, wall
+
+
+def test_silent_rank_times_out(tmp_path):
+    # rank 1 is alive but never joins the collective: rank 0 gives up after the 5 s group timeout, no hang
+    rc, log, wall = launch("hang", tmp_path, timeout=60)
+    assert rc != 0
+    assert "rank 0: collective gave up after" in log, log[-3000:]
+    waited = float(log.split("collective gave up after ")[1].split("s")[0])
+    assert 4.0 <= waited < 15, waited
