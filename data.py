@@ -15,8 +15,9 @@ What this file provides
       solution  " 11 + 65 = 76. The answer is 76."          target "76"
   10 names x 10 objects x 4 verb templates per operator; a subtraction that would go negative becomes an
   addition; difficulty = operand digit range; `exclude` filters training problems against eval sets.
-- `make_tiny_checkpoint`: a BPE tokenizer trained (deterministically) on that task, every digit its own token,
-  and a random Qwen2-architecture model in Hugging Face format that vLLM and transformers open as-is.
+- `make_tiny_checkpoint`: a byte-level BPE tokenizer trained (deterministically) on that task with Qwen2's
+  pre-tokenizer (every digit its own token), and a random Qwen2-architecture model in Hugging Face format that
+  vLLM and transformers open as-is and tokenize identically.
 - `sft_example`: token ids + a loss mask that is 1 exactly on assistant content and its end-of-turn token.
 - `pad_batch`: right- or left-padded LongTensors of ids and attention mask.
 
@@ -81,6 +82,10 @@ def _compile_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+def _read_json(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
 def _token_str(v):
     return v["content"] if isinstance(v, dict) else v  # tokenizer_config may store an AddedToken as a dict
 
@@ -91,31 +96,24 @@ class Tokenizer:
     def __init__(self, path):
         path = Path(path)
         self.tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
-        cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
-        gen = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+        cfg, gen = _read_json(path / "tokenizer_config.json"), _read_json(path / "generation_config.json")
         self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_TOKEN_NAMES if cfg.get(k) is not None}
-        extra = cfg.get("extra_special_tokens")
-        if isinstance(extra, dict):  # named model-specific tokens are template variables too (transformers v5)
-            self.special_tokens.update({k: _token_str(v) for k, v in extra.items()})
+        if isinstance(cfg.get("extra_special_tokens"), dict):  # named model-specific tokens are template variables too
+            self.special_tokens.update({k: _token_str(v) for k, v in cfg["extra_special_tokens"].items()})
         self.eos_token = self.special_tokens.get("eos_token")
-        self.eos_token_id = self.tok.token_to_id(self.eos_token) if self.eos_token else None
         gen_eos = gen.get("eos_token_id")
         gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
-        if self.eos_token_id is None and gen_eos:
-            self.eos_token_id = gen_eos[0]
+        self.eos_token_id = (self.tok.token_to_id(self.eos_token) if self.eos_token else None) or (gen_eos or [None])[0]
         if self.eos_token_id is None:
             raise ValueError(f"{path}: no eos_token in tokenizer_config.json nor eos_token_id in generation_config.json")
-        self.eos_token_ids = sorted({self.eos_token_id, *gen_eos})  # stop on any of them
-        pad = self.special_tokens.get("pad_token")
-        pad_id = self.tok.token_to_id(pad) if pad else None
+        self.eos_token_ids = sorted({self.eos_token_id, *gen_eos})  # generation stops on any of them
+        pad_id = self.tok.token_to_id(self.special_tokens.get("pad_token", ""))
         self.pad_token_id = pad_id if pad_id is not None else gen.get("pad_token_id", self.eos_token_id)
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        tmpl = cfg.get("chat_template")
-        if isinstance(tmpl, list):  # several named templates: use "default", as transformers does without tools
-            tmpl = {t["name"]: t["template"] for t in tmpl}.get("default")
-        if tmpl is None and (path / "chat_template.jinja").exists():  # transformers v5 saves it beside the config
-            tmpl = (path / "chat_template.jinja").read_text()
-        self.chat_template = tmpl
+        # transformers v5 prefers chat_template.jinja beside the config; a list means named templates
+        jinja_file = path / "chat_template.jinja"
+        tmpl = jinja_file.read_text() if jinja_file.exists() else cfg.get("chat_template")
+        self.chat_template = {t["name"]: t["template"] for t in tmpl}.get("default") if isinstance(tmpl, list) else tmpl
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -151,18 +149,18 @@ def sft_example(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[i
     token (ChatML's trailing newline) is not something the model generates, so it stays out of the mask.
     """
     spans, prev = [], ""  # (text, is_assistant)
+
+    def add(text, is_asst):
+        nonlocal prev
+        if not text.startswith(prev):
+            raise ValueError("chat template is not prefix-consistent (it rewrites earlier turns); cannot mask")
+        spans.append((text[len(prev):], is_asst))
+        prev = text
+
     for i, m in enumerate(messages):
         if m["role"] == "assistant":
-            head = tok.apply_chat_template(messages[:i], add_generation_prompt=True) if i else ""
-            if not head.startswith(prev):
-                raise ValueError("chat template is not prefix-consistent; cannot locate assistant spans")
-            spans.append((head[len(prev):], False))
-            prev = head
-        text = tok.apply_chat_template(messages[: i + 1])
-        if not text.startswith(prev):
-            raise ValueError("chat template is not prefix-consistent; cannot locate assistant spans")
-        spans.append((text[len(prev):], m["role"] == "assistant"))
-        prev = text
+            add(tok.apply_chat_template(messages[:i], add_generation_prompt=True), False)  # up to the header
+        add(tok.apply_chat_template(messages[: i + 1]), m["role"] == "assistant")
     ids, loss_mask = [], []
     for text, is_asst in spans:
         seg = tok.encode(text)
@@ -213,7 +211,8 @@ def _keep_good(rows, parse, max_bad_fraction: float, what: str, show: int = 3) -
     return good
 
 
-def parse_gsm8k_row(row: dict) -> dict:
+def parse_gsm8k_row(row: dict | str) -> dict:
+    row = json.loads(row) if isinstance(row, str) else row  # a JSON line (JSONDecodeError is a ValueError)
     question, solution = row["question"], row["answer"]
     if not isinstance(question, str) or not question.strip():
         raise ValueError("empty question")
@@ -235,14 +234,8 @@ def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", max_bad_fract
             raise FileNotFoundError(f"no {split}.jsonl or {split}*.parquet in {p}")
         p = found[0]
     if p.suffix == ".jsonl":
-        with open(p) as f:
-            lines = [line for line in f if line.strip()]
-        rows = []
-        for line in lines:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                rows.append(None)  # counted as malformed below (TypeError on subscript)
+        with open(p) as f:  # lines are parsed per row, so one broken line is one malformed row
+            rows = [line for line in f if line.strip()]
     elif p.suffix == ".parquet":
         import pyarrow.parquet as pq  # installed with datasets
         rows = pq.read_table(p).to_pylist()
@@ -338,20 +331,17 @@ def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_
                          tie_word_embeddings=True) -> Path:
     """A random tiny model (init N(0, 0.02), output projections N(0, 0.02/sqrt(2L)), norms 1, biases 0) with the
     arithmetic tokenizer, in Hugging Face format. Idempotent: returns early if `path` holds the same settings."""
-    from model import ModelConfig, Transformer
-    settings = dict(seed=seed, model_type=model_type, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
-                    num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
-                    head_dim=head_dim, intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings)
+    settings = {k: v for k, v in locals().items() if k != "path"}  # the arguments
     path = Path(path)
     stamp = path / "nanoforge_tiny.json"  # written last, so a half-written directory is redone
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
         return path
     assert head_dim >= 32, "vLLM's CPU attention rejects head_dim 16"
+    from model import ModelConfig, Transformer
     with tempfile.TemporaryDirectory() as tok_dir:
         tok = Tokenizer(make_tiny_tokenizer(tok_dir))
-        cfg = ModelConfig(model_type=model_type, vocab_size=-(-tok.vocab_size // 64) * 64,  # rounded up: 384
-                          hidden_size=hidden_size,
-                          intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        cfg = ModelConfig(model_type=model_type, vocab_size=-(-tok.vocab_size // 64) * 64,  # 382 rounded up: 384
+                          hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
                           num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                           head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
                           max_position_embeddings=2048, tie_word_embeddings=tie_word_embeddings,
@@ -371,8 +361,6 @@ def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_
     # eos/pad ids where vLLM and transformers' generate() look for them
     ids = {"bos_token_id": None, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     hf = {**json.loads((path / "config.json").read_text()), **ids}
-    if "dtype" not in hf:
-        hf["torch_dtype"] = "float32"
     (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (path / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
     stamp.write_text(json.dumps(settings, indent=2) + "\n")

@@ -82,13 +82,28 @@ LLAMA3 = """{{- bos_token }}
 {%- endif %}
 """
 
+# Undashed, indented block tags: the output depends on trim_blocks / lstrip_blocks; also strftime_now and loops.
+PLAIN = """{% for m in messages %}
+    {% if m.role == 'user' %}
+User ({{ loop.index }}): {{ m.content }}
+    {% else %}
+{{ m.role | capitalize }}: {{ m.content }}
+    {% endif %}
+{% endfor %}
+{% if tools %}Tools: {{ tools | tojson(indent=2) }}
+{% endif %}
+{% if add_generation_prompt %}
+Assistant ({{ strftime_now("%Y") }}):
+{% endif %}
+"""
+
 # The tiny template with transformers' {% generation %} markers: renders the same text, and lets transformers
 # compute its own assistant mask as an oracle for sft_example.
 TINY_WITH_GENERATION = ("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% generation %}"
                         "{{ m.content }}<|end|>{% endgeneration %}{% else %}<|{{ m.role }}|>{{ m.content }}<|end|>"
                         "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <two> numbers & return 'sum'",
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <two> numbers & return 'sum' ≠ é",
                                             "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
 CHATS = [
     [{"role": "user", "content": "Sue has 11 eggs. She finds 65 more. How many eggs now?"}],
@@ -156,7 +171,7 @@ def test_tokenizer_reads_eos_from_generation_config(tmp_path, tok_dir):
 @pytest.fixture(scope="module")
 def template_dirs(tok_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("templates")
-    return {
+    dirs = {
         "tiny": tok_dir,
         "chatml": write_tok_dir(root / "chatml", tok_dir, CHATML, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
                                 eos_token="<|im_end|>", pad_token="<|endoftext|>"),
@@ -164,10 +179,14 @@ def template_dirs(tok_dir, tmp_path_factory):
                                 "<|start_header_id|>", "<|end_header_id|>"], bos_token="<|begin_of_text|>",
                                 eos_token={"__type": "AddedToken", "content": "<|eot_id|>", "special": True}),
         "generation": write_tok_dir(root / "gen", tok_dir, TINY_WITH_GENERATION),
+        "plain": write_tok_dir(root / "plain", tok_dir, PLAIN),
+        "jinja_file": write_tok_dir(root / "jinja", tok_dir, TINY_WITH_GENERATION),
     }
+    (dirs["jinja_file"] / "chat_template.jinja").write_text(LLAMA3)  # transformers v5: the file wins over the config
+    return dirs
 
 
-@pytest.mark.parametrize("name", ["tiny", "chatml", "llama3", "generation"])
+@pytest.mark.parametrize("name", ["tiny", "chatml", "llama3", "plain", "generation", "jinja_file"])
 def test_chat_template_matches_transformers(template_dirs, name):
     from transformers import AutoTokenizer
     ours, theirs = data.Tokenizer(template_dirs[name]), AutoTokenizer.from_pretrained(str(template_dirs[name]))
@@ -186,10 +205,12 @@ def test_chat_template_matches_transformers(template_dirs, name):
 def test_chat_template_features_render(template_dirs):
     chatml, llama3 = data.Tokenizer(template_dirs["chatml"]), data.Tokenizer(template_dirs["llama3"])
     text = chatml.apply_chat_template(CHATS[0], tools=TOOLS)
-    assert "Add <two> numbers & return 'sum'" in text  # our tojson does not HTML-escape
+    assert "Add <two> numbers & return 'sum' ≠ é" in text  # our tojson neither HTML-escapes nor \\u-escapes
     assert text.count("\n") == 9 and "    " not in text  # trim_blocks / lstrip_blocks
     text = llama3.apply_chat_template(CHATS[1], add_generation_prompt=True)
     assert text.startswith("<|begin_of_text|>") and "Be brief.<|eot_id|>" in text and "Today Date: 26 Jul 2024" in text
+    text = data.Tokenizer(template_dirs["plain"]).apply_chat_template(CHATS[1][1:3], add_generation_prompt=True)
+    assert text.startswith("User (1): Hi <b>&</b> 'quotes' é\nAssistant:  1 + 2 = 3.") and text.endswith("):\n")
     with pytest.raises(Exception, match="unknown role robot"):
         chatml.apply_chat_template([{"role": "robot", "content": "x"}])
 
@@ -264,7 +285,7 @@ def test_gsm8k_malformed_rows_skipped_or_abort(tmp_path, capsys):
     rows = data.load_gsm8k(str(f), "train", max_bad_fraction=0.1)
     assert len(rows) == 97 and rows[5]["target"] == "5000"
     err = capsys.readouterr().err
-    assert "skipped 5/102" in err and "row 50: KeyError" in err and "row 51" in err and "row 53" not in err
+    assert "skipped 5/102" in err and "row 50: KeyError: 'question'" in err and "row 51" in err and "row 53" not in err
     with pytest.raises(ValueError, match="5/102 rows malformed"):
         data.load_gsm8k(str(f), "train", max_bad_fraction=0.01)
 
