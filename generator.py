@@ -127,7 +127,11 @@ class VLLMGenerator:
                else dict(kv_cache_memory_bytes=kv_cache_memory_bytes))
         self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                        seed=seed, enforce_eager=enforce_eager, skip_tokenizer_init=True,
-                       logprobs_mode="processed_logprobs", **mem)
+                       logprobs_mode="processed_logprobs", **mem,
+                       # NOTE: no chunked prefill. A prompt split across engine steps makes vLLM rewind the
+                       # request's seeded torch.Generator, which CPU generators cannot do (RuntimeError "CPU
+                       # Generator does not use offset", vLLM 0.32). Whole prompts need a budget >= max_model_len.
+                       enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         self.model_path, self.max_num_seqs, self.version = str(model_path), max_num_seqs, 0
         self.eos_ids, self._decode = eos_token_ids(model_path), _decoder(model_path)
 

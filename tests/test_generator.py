@@ -123,6 +123,14 @@ def test_seed_determinism(gen):
     assert len(set(map(tuple, toks(a)))) > 1  # the n samples of a prompt differ
 
 
+def test_seeded_batch_larger_than_one_engine_step(gen):
+    """~5k prompt tokens > vLLM's 4096-token step budget: with chunked prefill on, a split prompt made vLLM rewind
+    a seeded CPU torch.Generator and crash ("CPU Generator does not use offset")."""
+    out = gen.generate(make_prompts(32, seed=11, lo=18, hi=22), n=8, temperature=1.0, max_tokens=2,
+                       stop_token_ids=[], seed=0)
+    assert sum(len(c.token_ids) for g in out for c in g) == 32 * 8 * 2
+
+
 def test_greedy_with_n(gen):
     out = gen.generate(make_prompts(2, seed=5), n=3, temperature=0, max_tokens=8, stop_token_ids=[])
     for g in out:
