@@ -34,6 +34,7 @@ Launch lines:
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
+import importlib.util
 import json
 import math
 import os
@@ -200,6 +201,8 @@ def validate(cfg, world_size):
             raise err(f"{name}={v} must be >= 1")
     if cfg.optim.lr <= 0 or cfg.rollout.temperature <= 0:
         raise err("optim.lr and rollout.temperature must be > 0")
+    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise err("log.wandb=True needs `pip install wandb` (an optional extra; WANDB_MODE=offline works offline)")
     if not cfg.model.path:
         raise err("model.path is empty: give a checkpoint directory or a hub name")
     looks_local = cfg.model.path.startswith((".", "/")) or os.path.exists(cfg.model.path) \

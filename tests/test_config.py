@@ -80,6 +80,7 @@ def run_grpo(*args, timeout=120):
     (["--rollout.prompts_per_step=0"], "rollout.prompts_per_step=0 must be >= 1"),
     (["--model.path=no/such/dir", "--model.make_tiny=false"], "no config.json in no/such/dir"),
     (["--optim.shedule=cosine"], "did you mean 'optim.schedule'"),
+    (["--log.wandb=true"], "needs `pip install wandb`"),
 ])
 def test_train_grpo_rejects_bad_config_before_loading(args, message):
     """Each bad input fails fast (no model, no vLLM) with a message naming the field."""
