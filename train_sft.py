@@ -6,34 +6,33 @@ One step (N examples, global; shapes are per trainer rank):
              --pack---------->  rows (R, L): documents back to back, positions restart at 0 per document
              --update-------->  micro-batches, loss = -sum(mask * logp) / num_tokens(global), AdamW, grad clip
 
-The loss is the token mean over every assistant token of the step, on every rank together: each micro-batch
-contributes its masked sum divided by the step's global token count, so gradient accumulation and data
-parallelism change nothing about the gradient (FSDP2 averages over ranks, so we multiply by the dp size).
+The loss is the token mean over every assistant token of the step on all ranks: each micro-batch adds its
+masked sum divided by the step's global token count, so neither gradient accumulation nor data parallelism
+changes the gradient (FSDP2 averages over ranks, hence the factor dp).
 
-Packing without cross-contamination: model.py reads positions that restart at 0 (and no attention_mask) as
-document boundaries and builds a block-diagonal causal mask, so a token attends only within its own document
-and its RoPE position is its position in that document: a packed row gives exactly the losses of its documents
-run one by one (tests/test_train_sft.py checks this to 1e-5). Padding at the end of a row is a document of its
-own with loss mask 0.
+Packing without cross-contamination: model.py reads positions that restart at 0 (with no attention_mask) as
+document boundaries and builds a block-diagonal causal mask, so a token attends only within its document, at
+its position in that document: a packed row gives exactly the losses of its documents run one by one
+(tests/test_train_sft.py checks this to 1e-5). A row's tail padding is a document of its own with mask 0.
 
-Every rank derives step s's examples from (seed, s) alone: fresh problems for the synthetic task, a fixed
-permutation per epoch for datasets, so resuming at step s continues the data order exactly.
+Step s's examples are a pure function of (seed, s) (fresh problems for the synthetic task, a fixed permutation
+per epoch for datasets), so resuming at step s continues the data order exactly.
 
-Eval: held-out token-mean loss (teacher forcing) and greedy pass@1 with generator.TorchGenerator over the
-trainer's own model (no vLLM). With `eval.stop_at_accuracy`, training stops at the first eval at or after
-`eval.min_step` whose pass@1 reaches the target (tiny-task.md: SFT's accuracy jumps at a seed-dependent step,
-so a fixed step count gives unpredictable start points for RL).
+Eval: held-out token-mean loss and greedy pass@1 with generator.TorchGenerator over the trainer's own model
+(no vLLM). With `eval.stop_at_accuracy`, training stops at the first eval at or after `eval.min_step` whose
+pass@1 reaches the target: SFT's accuracy jumps at a seed-dependent step (tiny-task.md), so a fixed step
+count gives RL unpredictable starting points.
 
-Deliberate departures / shortcuts:
-- every rank generates the whole eval set (FSDP2 needs every rank in every forward, and a rank's greedy decode
-  stops when its own rows are done); the work is duplicated, not split. Fine for an occasional eval.
-- long examples are truncated to data.max_seq_tokens (counted), not dropped;
-- packing is first-fit in data order (no sorting by length), which keeps the order a pure function of the step.
+Deliberate departures from common SFT recipes:
+- every rank generates the whole eval set: FSDP2 needs every rank in every forward, and a rank's greedy
+  decode stops when its own rows are done. The work is duplicated, not split; fine for an occasional eval.
+- examples longer than data.max_seq_tokens are truncated (counted), not dropped;
+- packing is first-fit in data order (no sorting by length), so rows stay a pure function of the step.
 
 Launch lines:
     CPU, one process:              python train_sft.py configs/sft_tiny.py
     CPU, 2 ranks (FSDP2, gloo):    torchrun --nproc_per_node=2 train_sft.py configs/sft_tiny.py
-    1 GPU:                         python train_sft.py configs/sft_gsm8k.py --train.micro_batch=4
+    1 GPU (~7 packed rows/step):   python train_sft.py configs/sft_gsm8k.py
     8 GPUs (FSDP2):                torchrun --nproc_per_node=8 train_sft.py configs/sft_gsm8k.py
 """
 import json
@@ -187,14 +186,17 @@ def resolve_model(path, make_tiny):
 
 
 def load_tasks(cfg):
-    """(train problems or None for fresh synthetic ones, held-out problems). The arith held-out set uses
-    GRPO's seed formula (10_000 + seed) so that SFT's eval and GRPO's eval are the same problems."""
+    """(train problems, or None for fresh synthetic ones; held-out problems; questions training must skip).
+    arith: the held-out set is a dev set (seed 20_000 + seed) that the accuracy stop looks at; training also
+    skips GRPO's test set (train_grpo.py: 500 problems, seed 10_000 + seed), so GRPO's eval stays unseen and
+    unselected."""
     if cfg.data.name == "arith":
-        held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
+        held_out = data.make_arith(cfg.eval.num_problems, seed=20_000 + cfg.train.seed,
                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
-        return None, held_out
-    return data.load_gsm8k(cfg.data.source, "train"), \
-        data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
+        grpo_test = data.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
+        return None, held_out, {p["question"] for p in held_out + grpo_test}
+    held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
+    return data.load_gsm8k(cfg.data.source, "train"), held_out, set()
 
 
 def step_examples(train, step, batch, seed, cfg, exclude):
@@ -326,10 +328,7 @@ def main(argv=None):
     tok = data.Tokenizer(path)
     dist.init_distributed(roles, cfg.dist.timeout_s)
     mesh = dist.trainer_mesh(roles, roles.world_size // cfg.dist.tp, cfg.dist.tp)
-    train, held_out = load_tasks(cfg)
-    exclude = {p["question"] for p in held_out}  # + GRPO's 500-problem held-out set: it must stay unseen
-    if train is None:
-        exclude |= {p["question"] for p in data.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2)}
+    train, held_out, exclude = load_tasks(cfg)
     for p in held_out:
         p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
     dev_docs, _ = to_docs(tok, held_out, cfg.data.instruction, cfg.data.max_seq_tokens)
@@ -352,8 +351,9 @@ def main(argv=None):
     if ckpt_path:  # model, optimizer, schedule; the data order derives from the step
         extra = dist.load_checkpoint(ckpt_path, model, opt)
         sched.load_state_dict(extra["sched"])
+    # NOTE: dtype is the KV cache's; TorchGenerator currently takes it from the (fp32, sharded) params instead
     gen = generator.TorchGenerator(model, max_model_len=max(len(p["prompt_ids"]) for p in held_out)
-                                   + cfg.eval.max_tokens, tokenizer_path=path)
+                                   + cfg.eval.max_tokens, dtype=dtype or torch.float32, tokenizer_path=path)
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     dp_group = mesh["dp_shard"].get_group()
     out.mkdir(parents=True, exist_ok=True)
@@ -391,7 +391,6 @@ def main(argv=None):
         num_rows, num_tokens = int(num_rows), float(num_tokens)
         batch = pack(docs, cfg.data.pack_len, tok.pad_token_id, num_rows)
         # 4c. update: micro-batches of packed rows; each adds its share of the global token mean
-        t0 = time.perf_counter()
         loss_sum = 0.0
         for i in range(0, num_rows, cfg.train.micro_batch):
             nll = nll_sum(model, batch, slice(i, i + cfg.train.micro_batch), roles.device)

@@ -1,6 +1,6 @@
 # 8 GPUs: SFT Qwen2.5-1.5B (base) on GSM8K's reference solutions, FSDP2 over 8 ranks, bf16 compute.
 #   torchrun --nproc_per_node=8 train_sft.py configs/sft_gsm8k.py
-#   python train_sft.py configs/sft_gsm8k.py --train.micro_batch=4     (1 GPU: 16 accumulation steps)
+#   python train_sft.py configs/sft_gsm8k.py          (1 GPU: 64 examples -> ~7 packed rows, one per micro-batch)
 # The target is the dataset's worked solution verbatim ("... <<48/2=24>> ... #### 72"); rewards.MathReward
 # reads its "#### N" answer line, so eval/pass@1 needs no answer-format instruction.
 model.path = "Qwen/Qwen2.5-1.5B"            # or a local directory with the same files

@@ -21,8 +21,8 @@ from model import Transformer
 
 STEPS = 16
 # small and fast: 32 fresh problems per step, eval on 32 problems, short warmup so 16 steps learn something
-RUN_ARGS = [str(ROOT / "configs" / "sft_tiny.py"), f"--train.steps={STEPS}", "--train.batch_size=32", "--optim.warmup_steps=2",
-            "--eval.every=8", "--eval.num_problems=32", "--eval.stop_at_accuracy=0.0", "--train.deterministic=true"]
+RUN_ARGS = [str(ROOT / "configs" / "sft_tiny.py"), f"--train.steps={STEPS}", "--train.batch_size=32",
+            "--optim.warmup_steps=2", "--eval.every=8", "--eval.num_problems=32", "--eval.stop_at_accuracy=0.0", "--train.deterministic=true"]
 
 
 def docs_for(tok, n, seed=0):
@@ -124,7 +124,7 @@ def test_loss_drops_and_export_matches(straight, tiny_ckpt):
     hf = tmp / "nested/straight/hf"
     model, tok = Transformer.from_pretrained(hf), data.Tokenizer(hf)
     cfg = train_sft.parse_config([*RUN_ARGS, f"--model.path={tiny_ckpt}"])
-    _, held_out = train_sft.load_tasks(cfg)
+    _, held_out, _ = train_sft.load_tasks(cfg)
     batch = train_sft.pack(train_sft.to_docs(tok, held_out, "", cfg.data.max_seq_tokens)[0], cfg.data.pack_len,
                            tok.pad_token_id)
     with torch.no_grad():
@@ -157,3 +157,16 @@ def test_two_ranks_match_one(straight, tiny_ckpt):
     assert len(two) == STEPS and (tmp / "two/hf/model.safetensors").exists()
     for a, b in zip(one, two):  # same global token-mean loss; only the reduction order differs
         assert abs(a["sft/loss"] - b["sft/loss"]) < 1e-5 * a["sft/loss"], (a["step"], a["sft/loss"], b["sft/loss"])
+
+
+@pytest.mark.slow
+def test_gsm8k_config_runs(tiny_ckpt, tmp_path):
+    from conftest import GSM8K_DIR
+    run([str(ROOT / "configs" / "sft_gsm8k.py"), f"--model.path={tiny_ckpt}", "--model.dtype=float32",
+         f"--data.source={GSM8K_DIR / 'train.jsonl'}", f"--data.eval_source={GSM8K_DIR / 'test.jsonl'}",
+         "--train.steps=2", "--train.batch_size=4", "--eval.num_problems=4", "--eval.max_tokens=8",
+         "--ckpt.every=0", "--log.run=gsm8k"], tmp_path)
+    rows = metrics(tmp_path, "gsm8k")
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["data/truncated"] == 0 for r in rows[1:])
+    assert rows[1]["data/rows"] < 4  # several reference solutions share a packed row
+    assert (tmp_path / "gsm8k/hf/model.safetensors").exists()
