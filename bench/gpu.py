@@ -1,0 +1,196 @@
+"""GPU figures on one device (run by bench/gpu.sh): trainer MFU, logprob peak memory, torch-generator tokens/s.
+
+Model: a random Qwen2.5-1.5B-shaped Transformer (model.py; 1.54B params, tied embeddings). No checkpoint, no
+network, no vLLM: the torch generator stands in for generation.
+
+1. Trainer step, FSDP2 on a world of one (dist.shard_model, bf16 params, fp32 reduce and fp32 master weights +
+   AdamW, as train_grpo.py runs it): forward with targets (chunked fp32 logprobs + entropy), a policy-gradient
+   surrogate loss, backward, grad clip, optimizer step. MFU = model FLOPs / step time / peak bf16 FLOP/s, with
+       FLOPs per token = 6 * params + 12 * layers * heads * head_dim * seq_len     (PaLM appendix B; the attention
+       term counts the full T x T score matrix, no causal discount; params include the tied lm_head once)
+2. Logprob peak memory at T = 4096 (batch 1): torch.cuda.max_memory_allocated above the resident weights for a
+   no-grad logprob forward (what ref/old logprobs cost) and for forward + backward, beside what materialising the
+   full fp32 logits would take (T * V * 4 bytes).
+3. Torch generator: generated tokens/s for prompts x samples x new tokens with a preallocated KV cache, bf16.
+
+    bash bench/gpu.sh                 # on the GPU machine: prints a table, writes bench/results/gpu.json
+    bash bench/gpu.sh --cpu-smoke     # anywhere: the same code at toy sizes on CPU (checks it runs, not speed)
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+try:
+    import safetensors  # noqa: F401  model.py imports it at the top; nothing here loads or saves a checkpoint
+except ImportError:
+    stub = types.ModuleType("safetensors")
+    stub.safe_open = None
+    stub.torch = types.ModuleType("safetensors.torch")
+    stub.torch.save_file = None
+    sys.modules.update({"safetensors": stub, "safetensors.torch": stub.torch})
+
+import torch  # noqa: E402
+
+import dist  # noqa: E402
+import generator  # noqa: E402
+from model import ModelConfig, Transformer  # noqa: E402
+
+QWEN25_15B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                  num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                  rms_norm_eps=1e-6, rope_theta=1e6, rope_scaling=None, max_position_embeddings=32768,
+                  tie_word_embeddings=True, attention_bias=True, qk_norm=False)
+TOY = dict(QWEN25_15B, vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+           num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM datasheets)
+
+
+def random_model(cfg, device, dtype):
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() unties
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 0.02)
+    return model.to(dtype)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_train(cfg, device, batch, seq, steps, mesh):
+    model = dist.shard_model(random_model(cfg, device, torch.float32), mesh, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99))
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=device)
+    adv = torch.randn(batch, 1, device=device)
+    times = []
+    for i in range(steps + 2):  # 2 warm-up steps
+        sync(device)
+        t0 = time.perf_counter()
+        logp, ent = model(ids[:, :-1], targets=ids[:, 1:], return_entropy=True)  # (B, T) fp32
+        loss = -(logp * adv).mean()  # entropy is computed (as train_grpo logs it) but not in the loss
+        loss.backward()
+        dist.clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in model.parameters())
+    step_s = statistics.median(times)
+    flops_per_token = 6 * params + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq
+    flops = flops_per_token * batch * seq
+    del model, opt
+    return dict(params=params, batch=batch, seq=seq, step_s=step_s, tokens_per_s=batch * seq / step_s,
+                flops_per_step=flops, achieved_tflops=flops / step_s / 1e12)
+
+
+def bench_logprob_memory(cfg, device, seq):
+    model = random_model(cfg, device, torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq + 1), device=device)
+    out = dict(seq=seq, full_fp32_logits_mb=seq * cfg.vocab_size * 4 / 2**20)
+    if device.type != "cuda":
+        with torch.no_grad():
+            model(ids[:, :-1], targets=ids[:, 1:])
+        return {**out, "no_grad_peak_mb": None, "fwd_bwd_peak_mb": None}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        model(ids[:, :-1], targets=ids[:, 1:])
+    torch.cuda.synchronize()
+    out["no_grad_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    torch.cuda.reset_peak_memory_stats()
+    logp = model(ids[:, :-1], targets=ids[:, 1:])
+    logp.mean().backward()
+    torch.cuda.synchronize()
+    out["fwd_bwd_peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20  # includes the bf16 grads
+    del model
+    return out
+
+
+def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
+    model = random_model(cfg, device, torch.bfloat16)
+    gen = generator.TorchGenerator(model, max_model_len=prompt_len + new_tokens + 1)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
+    gen.generate(batch[:2], n=2, max_tokens=8, stop_token_ids=[])  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    out = gen.generate(batch, n=n, max_tokens=new_tokens, stop_token_ids=[], seed=0)
+    sync(device)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for grp in out for c in grp)
+    del model, gen
+    return dict(prompts=prompts, n=n, prompt_len=prompt_len, new_tokens=new_tokens, tokens=tokens, seconds=dt,
+                tokens_per_s=tokens / dt)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the script, not the speed")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu.json"))
+    a = p.parse_args()
+    smoke = a.cpu_smoke
+    if not smoke and not torch.cuda.is_available():
+        sys.exit("bench/gpu.py: no CUDA device (use --cpu-smoke to check the script on CPU)")
+    cfg = ModelConfig(**(TOY if smoke else QWEN25_15B))
+    roles = dist.get_roles(0)
+    if smoke:
+        roles.device = torch.device("cpu")
+    dist.init_distributed(roles, 600)
+    mesh = dist.trainer_mesh(roles, 1, 1)
+    device = roles.device
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    t_all = time.perf_counter()
+
+    res = {"device": name, "torch": torch.__version__, "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
+    res["generate"] = bench_generate(cfg, device, *((4, 2, 16, 8) if smoke else (64, 8, 128, 256)))
+    print(f"generate: {res['generate']['tokens_per_s']:.0f} tok/s", flush=True)
+    res["logprob_memory"] = bench_logprob_memory(cfg, device, 64 if smoke else 4096)
+    print(f"logprob memory: {res['logprob_memory']}", flush=True)
+    tr = bench_train(cfg, device, *((2, 32, 2) if smoke else (8, 2048, 5)), mesh)
+    tr["peak_flops"] = peak
+    tr["mfu"] = tr["achieved_tflops"] * 1e12 / peak if peak else None
+    res["train"] = tr
+    res["total_s"] = time.perf_counter() - t_all
+    if device.type == "cuda":
+        res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+
+    g, m = res["generate"], res["logprob_memory"]
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    rows = [("device", name),
+            ("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
+                                           f"{tr['tokens_per_s']:.0f} tok/s"),
+            ("trainer TFLOP/s, MFU", f"{tr['achieved_tflops']:.1f}, {fmt(tr['mfu'], '.1%')}"),
+            (f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
+                                                    f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
+            (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB"),
+            ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: {g['tokens_per_s']:.0f} tok/s"),
+            ("total time", f"{res['total_s']:.0f} s")]
+    w = max(len(k) for k, _ in rows)
+    print("\n" + "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows))
+    if not smoke:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    dist.shutdown()
+
+
+if __name__ == "__main__":
+    main()

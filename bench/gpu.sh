@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One prepared GPU check for nanoforge (one H200 or similar; PyTorch with CUDA, no vLLM, no network needed):
+# trainer-step MFU of a Qwen2.5-1.5B-shaped model (FSDP2, bf16), logprob peak memory at T=4096, torch-generator
+# tokens/s. Prints a table and writes bench/results/gpu.json; the whole run is capped at 5 minutes.
+#   bash bench/gpu.sh               # on the GPU machine
+#   bash bench/gpu.sh --cpu-smoke   # anywhere: toy sizes on CPU, checks that the script runs
+# PYTHON picks the interpreter (default: .venv/bin/python if present, else python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+if [ "${1:-}" != "--cpu-smoke" ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+exec timeout 300 "$PYTHON" bench/gpu.py "$@"
