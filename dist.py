@@ -32,12 +32,18 @@ tied lm_head goes once as model.embed_tokens.weight (vLLM re-ties it on load).
 
 Checkpoints. torch.distributed.checkpoint writes every rank's shards in parallel and reshards on load (another mesh
 may resume). A save goes to step_N.tmp, is renamed to step_N, and a COMPLETE marker is written last: a crash at any
-point leaves nothing that latest_checkpoint() would pick up.
+point leaves nothing that latest_checkpoint() would pick up. A write that fails on any rank (disk full, no permission)
+is agreed on by all trainer ranks, reported, and cleaned up; the previous checkpoint stays the newest complete one.
+
+Fault injection (tests/test_faults.py): NANOFORGE_FAULT="kill_opt@3,nan@5" names faults to inject at a point of a
+step (see fault()); unset in normal runs, where it costs one dict lookup per point.
 
 Left out: pipeline/context parallelism, HSDP (replicated dp), vLLM engines spanning several ranks, async checkpoints.
 """
 import os
 import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed._composable import checkpoint as checkpoint_activations  # keeps parameter names (no wrapper)
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -210,55 +217,51 @@ def _bucket_plan(model, bucket_bytes):
     return plan
 
 
+def _send_buckets(model, plan, group, src, device):
+    params = _full_params(model)
+    for size, entries in plan:
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        for name, shape, dtype, off in entries:
+            pname, t = next(params)
+            if pname != name or tuple(t.shape) != shape or t.dtype != dtype:
+                raise RuntimeError(f"model changed since the first sync: {pname} vs cached {name}")
+            buf[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+        dist.broadcast(buf, src=src, group=group)
+
+
+def _recv_buckets(plan, group, src, device):
+    """(name, tensor) views into each received bucket; valid until the caller drops them (no copies here)."""
+    for size, entries in plan:
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        dist.broadcast(buf, src=src, group=group)
+        for name, shape, dtype, off in entries:
+            yield name, buf[off:off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+
+
 def broadcast_weights(model, group, roles: Roles, bucket_mb=256, receive=None) -> dict:
     """Trainers -> generators (see the module docstring). Every trainer rank and every generator calls it.
     Returns {"sync/bytes", "sync/seconds", "sync/gbps"} (gbps = gigabytes per second)."""
-    t0, nbytes = time.perf_counter(), 0
-    src = roles.trainer_ranks[0]
+    t0, src = time.perf_counter(), roles.trainer_ranks[0]
     if roles.colocated:  # in-process handover: each trainer rank feeds its own generator
-        def counted():
-            nonlocal nbytes
-            for name, t in _full_params(model):
-                nbytes += t.numel() * t.element_size()
-                yield name, t
-        it = counted()
-        receive(it)
-        for _ in it:  # a receiver that stopped early must not leave the other trainers in full_tensor()
-            pass
-    elif roles.is_trainer and roles.rank != src:
-        for _ in _full_params(model):  # full_tensor() is collective over the mesh: take part, send nothing
-            pass
+        it, nbytes = _full_params(model), sum(p.numel() * p.element_size() for p in model.parameters())
+    elif roles.is_trainer and roles.rank != src:  # full_tensor() is collective over the mesh: take part, send nothing
+        it, nbytes, receive = _full_params(model), 0, None
     else:
         if group not in _SYNC_PLANS:
             obj = [_bucket_plan(model, int(bucket_mb * (1 << 20))) if roles.rank == src else None]
             dist.broadcast_object_list(obj, src=src, group=group, device=torch.device("cpu"))
             _SYNC_PLANS[group] = obj[0]
         plan = _SYNC_PLANS[group]
+        nbytes = sum(size for size, _ in plan)
         if roles.rank == src:
-            params = _full_params(model)
-            for size, entries in plan:
-                buf = torch.empty(size, dtype=torch.uint8, device=roles.device)
-                for name, shape, dtype, off in entries:
-                    pname, t = next(params)
-                    if pname != name or tuple(t.shape) != shape or t.dtype != dtype:
-                        raise RuntimeError(f"model changed since the first sync: {pname} vs cached {name}")
-                    buf[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-                dist.broadcast(buf, src=src, group=group)
-                nbytes += size
+            _send_buckets(model, plan, group, src, roles.device)
+            it, receive = iter(()), None
         else:
-            def unpack():
-                nonlocal nbytes
-                for size, entries in plan:
-                    buf = torch.empty(size, dtype=torch.uint8, device=roles.device)
-                    dist.broadcast(buf, src=src, group=group)
-                    nbytes += size
-                    for name, shape, dtype, off in entries:
-                        numel = torch.Size(shape).numel()
-                        yield name, buf[off:off + numel * dtype.itemsize].view(dtype).view(shape)
-            it = unpack()
-            receive(it)
-            for _ in it:  # finish the broadcasts even if the receiver stopped early: the sender is still sending
-                pass
+            it = _recv_buckets(plan, group, src, roles.device)
+    if receive is not None:
+        receive(it)
+    for _ in it:  # drain: a receiver that stopped early must not leave the other ranks inside a collective
+        pass
     seconds = time.perf_counter() - t0
     return {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
@@ -267,28 +270,81 @@ def _group_rank():
     return dist.get_rank(_TRAINER_GROUP) if _TRAINER_GROUP is not None else dist.get_rank()
 
 
-def save_checkpoint(ckpt_dir, step, model, optimizer, extra: dict) -> Path:
-    """Model + optimizer (sharded, DCP) + this rank's `extra` into <ckpt_dir>/step_<step>/. Trainer ranks only."""
+def fault(point: str, step: int) -> bool:
+    """Test hook: is `point@step` listed in $NANOFORGE_FAULT? A kill_* point SIGKILLs this process right here (no
+    handler, no cleanup: what kill -9 or a lost node does), after printing the time so a test can measure detection."""
+    if f"{point}@{step}" not in os.environ.get("NANOFORGE_FAULT", "").split(","):
+        return False
+    if point.startswith("kill"):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        print(f"NANOFORGE_FAULT {point}@{step}: SIGKILL rank {rank} at t={time.time():.3f}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every trainer rank iff it is True on all of them (and a barrier): after a local failure every rank
+    must take the same branch, or the others would wait forever in the next collective."""
+    flag = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_TRAINER_GROUP)
+    return flag.item() == 0.0
+
+
+def save_checkpoint(ckpt_dir, step, model, optimizer, extra: dict) -> Path | None:
+    """Model + optimizer (sharded, DCP) + this rank's `extra` into <ckpt_dir>/step_<step>/. Trainer ranks only.
+    Returns the path, or None on every rank if any rank failed to write (reported on stderr; nothing partial is left,
+    the previous checkpoint stays valid, the run can go on)."""
     ckpt_dir = Path(ckpt_dir)
-    final, tmp = ckpt_dir / f"step_{step}", ckpt_dir / f"step_{step}.tmp"
-    rank = _group_rank()
+    final, tmp, old = (ckpt_dir / f"step_{step}{suffix}" for suffix in ("", ".tmp", ".old"))
+    rank, err = _group_rank(), None
+
+    def attempt(fn):  # one local step, unless an earlier one failed; then every rank learns if any rank failed
+        nonlocal err
+        if err is None:
+            try:
+                fn()
+            except (Exception, CheckpointException) as e:  # OSError, torch.save's RuntimeError, DCP's own
+                err = e
+        return _all_ok(err is None)
+
+    def prepare():
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    def write_shards():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=_TRAINER_GROUP)
+
+    def write_extra():  # per rank: RNG states differ between ranks. Fault "enospc": a real ENOSPC from /dev/full
+        torch.save(extra, "/dev/full" if fault("enospc", step) else tmp / f"extra_rank{rank}.pt")
+        fault("kill_ckpt", step)  # every file written, no marker yet
+
+    def commit():
+        if rank == 0:
+            if final.exists():  # re-saving a step (after a resume): the old copy goes only once the new one is in
+                final.rename(old)
+            tmp.rename(final)
+            with open(final / "COMPLETE", "w") as f:  # written last: its presence means every file above is there
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            shutil.rmtree(old, ignore_errors=True)
+
+    # each attempt() ends in a collective with the same answer on every rank: all ranks stop at the same point
+    if attempt(prepare) and attempt(write_shards) and attempt(write_extra) and attempt(commit):
+        return final
+    if err is not None:
+        print(f"WARNING: checkpoint {final} not saved (rank {rank}: {type(err).__name__}: {err}); "
+              "the previous checkpoint stays the newest complete one", file=sys.stderr, flush=True)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier(_TRAINER_GROUP)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, process_group=_TRAINER_GROUP)
-    torch.save(extra, tmp / f"extra_rank{rank}.pt")  # per rank: RNG states differ between ranks
-    dist.barrier(_TRAINER_GROUP)
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # re-saving a step (after a resume) replaces it
-        tmp.rename(final)
-        with open(final / "COMPLETE", "w") as f:  # written last: its presence means every file above is there
-            f.write(f"{step}\n")
-            f.flush()
-            os.fsync(f.fileno())
-    dist.barrier(_TRAINER_GROUP)
-    return final
+        if not (final / "COMPLETE").exists():
+            shutil.rmtree(final, ignore_errors=True)
+            if old.exists():
+                old.rename(final)
+    _all_ok(True)
+    return None
 
 
 def latest_checkpoint(ckpt_dir) -> Path | None:
@@ -302,8 +358,13 @@ def latest_checkpoint(ckpt_dir) -> Path | None:
         if p.is_dir() and n.isdigit() and (p / "COMPLETE").exists():
             best = max(best or (-1, p), (int(n), p))
         elif not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"removing partial checkpoint {p} (no COMPLETE marker)", file=sys.stderr, flush=True)
             shutil.rmtree(p, ignore_errors=True)
     return best and best[1]
+
+
+def is_complete(path) -> bool:
+    return Path(path, "COMPLETE").exists()
 
 
 def load_checkpoint(path, model, optimizer) -> dict:

@@ -151,6 +151,10 @@ def sync(roles, out, dp_shard):
     mesh = D.trainer_mesh(roles, dp_shard, 1)
     group = D.sync_group(roles)
     if roles.is_trainer:
+        ref = make_model(cfg, 0)  # oracle for the first step: one unsharded rank on the whole batch
+        ref_loss = nll(ref, batch(0))
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
         m = D.shard_model(make_model(cfg, 0), mesh)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     else:
@@ -170,7 +174,9 @@ def sync(roles, out, dp_shard):
             want = full_params(m)  # collective on trainers
             if roles.rank == 0:
                 torch.save(want, Path(out) / f"sync{dp_shard}_want{i}.pt")
-            train_step(m, opt, batch(i), mesh)
+            loss, norm = train_step(m, opt, batch(i), mesh)
+            if i == 0:
+                res["parity"] = {"loss": abs(loss - ref_loss.item()), "grad_norm": abs(norm - ref_norm)}
         else:
             torch.save({n: t.clone() for n, t in recv.items()}, Path(out) / f"sync{dp_shard}_got{i}.pt")
     if roles.is_trainer and dp_shard == 2:  # trainer subset of a world with a generator: checkpoint + export
@@ -234,7 +240,10 @@ def world1(roles, out):
             recv[n].copy_(t)
     stats = D.broadcast_weights(m, D.sync_group(roles), roles, receive=receive)
     D.export_hf(m, Path(out) / "hf1")
-    return {"equal": all(torch.equal(recv[n], t) for n, t in full_params(m).items()), "stats": stats,
+    want = full_params(m)
+    exported = dict(M.Transformer.from_pretrained(Path(out) / "hf1").named_parameters())
+    return {"equal": all(torch.equal(recv[n], t) for n, t in want.items()), "stats": stats,
+            "exported_equal": exported.keys() == want.keys() and all(torch.equal(exported[n], want[n]) for n in want),
             "roles": [roles.rank, roles.world_size, roles.colocated, roles.is_trainer]}
 
 

@@ -73,6 +73,9 @@ def test_broadcast_weights_bit_exact(tmp_path, nproc, dp_shard):
         assert gen[f"sync{i}"]["stats"]["sync/bytes"] == stats["sync/bytes"]
     before, after = (torch.load(tmp_path / f"sync{dp_shard}_want{i}.pt") for i in (0, 1))
     assert any(not torch.equal(before[n], after[n]) for n in before)  # the second sync carried new values
+    for rank in range(nproc - 1):  # trainers (a subset of the world) vs one unsharded rank
+        r = results(tmp_path, scenario, rank)["parity"]
+        assert r["loss"] <= 1e-5 and r["grad_norm"] <= 1e-5, r
     if dp_shard == 2:  # trainer subset of a 3-rank world: checkpoint resume and HF export
         for rank in (0, 1):
             ck = results(tmp_path, scenario, rank)["ckpt"]
@@ -87,9 +90,12 @@ def test_plain_python_is_a_world_of_one(tmp_path):
     rc, log, _ = launch("world1", tmp_path, torchrun=False, timeout=90)
     assert_ok(rc, log)
     res = results(tmp_path, "world1", 0)
-    assert res["roles"] == [0, 1, True, True] and res["equal"]
+    assert res["roles"] == [0, 1, True, True] and res["equal"] and res["exported_equal"]
     exported = M.Transformer.from_pretrained(tmp_path / "hf1")
     assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    from safetensors import safe_open
+    with safe_open(tmp_path / "hf1" / "model.safetensors", "pt") as f:  # tied: the head is not written twice
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
 
 
 def test_dead_rank_fails_fast_and_names_it(tmp_path):
