@@ -10,20 +10,25 @@ if it needs non-default settings, run this, look at out/compare/compare.png and 
 What is held fixed: the start checkpoint (the demo's SFT export out/demo/sft/hf when it exists, else a fresh
 SFT run into out/compare/sft, stopped at the same ~0.4 accuracy), the seed (same prompts every step, same
 sampling seeds, same 500 held-out problems), rollouts (32 prompts x 8 samples, temperature 1, 40 tokens),
-the optimizer (AdamW, lr 3e-4, (0.9, 0.99), clip 1.0), and the update schedule: two minibatches per
-rollout batch for every loss, so the second optimizer step is slightly off-policy and the losses'
-clipping / importance-weighting actually differ (with one on-policy step every ratio is exactly 1 and
-GRPO, DAPO, CISPO, ... collapse to nearly the same gradient). No KL term anywhere (beta = 0).
+the optimizer (AdamW, lr 5e-4, (0.9, 0.99), clip 1.0, one step per batch) and the pipeline: the demo's
+GRPO settings (demo.GRPO_ARGS), including one-batch-ahead generation. That last part matters for a fair
+comparison: the batch a step trains on was sampled by the weights one step older, and the generator's
+logprobs are the losses' old_logprobs, so the ratio r = pi / pi_old is not 1 and each loss's clipping or
+importance weighting really acts (fully on-policy with one step per batch, r is exactly 1 and GRPO, DAPO,
+CISPO, ... reduce to nearly the same gradient). No KL term anywhere (beta = 0).
 
 What each loss keeps of its own (KNOBS): Dr.GRPO its unnormalised advantages and constant normaliser
 (C = rollout.max_tokens, set by the trainer); DAPO its clip-higher range and dynamic-sampling filter;
 GSPO its tiny sequence-level clip range (3e-4 / 4e-4, by design: its ratio is a per-token geometric mean);
-CISPO and REINFORCE their clipped importance weights. Everything else is the loss class's defaults.
+CISPO and REINFORCE their clipped importance weights. Everything else is the loss class's defaults. GSPO's
+range is narrow next to one step of drift at this learning rate: read its loss/clip_frac in
+out/compare/gspo/metrics.jsonl before judging it, and retry it alone with wider bounds, e.g.
+--losses=gspo --grpo.loss.kwargs="{'clip_low': 3e-3, 'clip_high': 4e-3}".
 
 Budget: each run is `--steps` GRPO steps (default 100) with an eval of 500 problems every 20 steps, under
 torchrun with one trainer rank and one vLLM rank, exactly like the demo. On 2 idle CPU cores a run takes
-about 2.5 minutes (~1.2 s/step plus ~25 s of start-up), so all eight take ~20 minutes (plus ~2 minutes of
-SFT when no demo checkpoint exists). 100 steps is enough to separate a loss that learns from one that
+about 2.3 minutes (~1.05 s/step plus ~30 s of start-up and evals), so all eight take ~20 minutes (plus
+~3 minutes of SFT when no demo checkpoint exists). 100 steps is enough to separate a loss that learns from one that
 does not; differences of a few points between losses that all learn are within the eval noise (about
 +-0.04 between evals at a plateau), so compare the smoothed column and rerun with another --seed before
 believing them.
@@ -65,7 +70,7 @@ def start_checkpoint(out_dir, seed):
     out.mkdir(parents=True, exist_ok=True)
     demo.run_phase("SFT (start checkpoint)", [sys.executable, "train_sft.py", "configs/sft_tiny.py",
                    f"--log.out_dir={out_dir}", "--log.run=compare/sft", f"--train.seed={seed}",
-                   f"--model.path={out_dir}/tiny/init", "--model.make_tiny=true"], out / "sft.log")
+                   f"--model.path={out_dir}/tiny/init", "--model.make_tiny=true", *demo.SFT_ARGS], out / "sft.log")
     return out / "sft" / "hf"
 
 
@@ -76,7 +81,8 @@ def summarize(name, rows, seconds):
     reward = [r["rollout/reward_mean"] for r in train]
     return {"loss": name, "start_accuracy": evals[0][1], "final_accuracy": evals[-1][1],
             "final_accuracy_smoothed": sum(last3) / len(last3),
-            "reward_first10": sum(reward[:10]) / len(reward[:10]), "reward_last10": sum(reward[-10:]) / len(reward[-10:]),
+            "reward_first10": sum(reward[:10]) / len(reward[:10]),
+            "reward_last10": sum(reward[-10:]) / len(reward[-10:]),
             "entropy_last": train[-1].get("loss/entropy"), "step_s": sum(r["perf/step_s"] for r in train) / len(train),
             "seconds": round(seconds, 1), "steps": train[-1]["step"]}
 
@@ -134,7 +140,7 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "train_grpo.py", "configs/tiny.py", f"--log.out_dir={args.out_dir}", f"--log.run=compare/{name}",
                f"--model.path={start}", "--model.make_tiny=false", f"--train.seed={args.seed}",
-               f"--train.steps={args.steps}", "--train.minibatches=2", "--eval.every=20",
+               f"--train.steps={args.steps}", "--eval.every=20", *demo.GRPO_ARGS,
                f"--loss.name={name}", *KNOBS.get(name, []), *shared]
         t0 = time.perf_counter()
         seconds = demo.run_phase(f"GRPO with loss {name}", cmd, out / f"{name}.log")
