@@ -228,7 +228,8 @@ def chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_entropy=F
             outs.append(checkpoint(_chunk_logp, *args, use_reentrant=False))
         else:
             outs.append(_chunk_logp(*args))
-    res = [torch.cat(parts).view(B, T) for parts in zip(*outs)]
+    # clone: FSDP2 warns about view outputs (an in-place op on one would bypass its backward hooks); (B, T) is cheap
+    res = [torch.cat(parts).view(B, T).clone() for parts in zip(*outs)]
     return tuple(res) if return_entropy else res[0]
 
 
