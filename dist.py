@@ -335,8 +335,9 @@ def save_checkpoint(ckpt_dir, step, model, optimizer, extra: dict) -> Path | Non
     if attempt(prepare) and attempt(write_shards) and attempt(write_extra) and attempt(commit):
         return final
     if err is not None:
-        print(f"WARNING: checkpoint {final} not saved (rank {rank}: {type(err).__name__}: {err}); "
-              "the previous checkpoint stays the newest complete one", file=sys.stderr, flush=True)
+        free = shutil.disk_usage(ckpt_dir).free / 2**20 if ckpt_dir.exists() else float("nan")
+        print(f"WARNING: checkpoint {final} not saved (rank {rank}: {type(err).__name__}: {err}; {free:.0f} MiB free on "
+              "that disk); the previous checkpoint stays the newest complete one", file=sys.stderr, flush=True)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (final / "COMPLETE").exists():
