@@ -158,8 +158,19 @@ def validate(cfg, world_size):
         raise err(f"data.pack_len={cfg.data.pack_len} must be 0 or >= data.max_seq_tokens={cfg.data.max_seq_tokens}")
     if not 0 <= cfg.eval.stop_at_accuracy <= 1:
         raise err(f"eval.stop_at_accuracy={cfg.eval.stop_at_accuracy} must be in [0, 1] (0 = off)")
-    if cfg.optim.lr <= 0:
-        raise err("optim.lr must be > 0")
+    for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
+            ("optim.lr", cfg.optim.lr > 0, "> 0"), ("optim.grad_clip", cfg.optim.grad_clip > 0, "> 0"),
+            ("optim.weight_decay", cfg.optim.weight_decay >= 0, ">= 0"),
+            ("optim.warmup_steps", cfg.optim.warmup_steps >= 0, ">= 0"),
+            ("train.max_skipped_steps", cfg.train.max_skipped_steps >= 1, ">= 1"),
+            ("dist.timeout_s", cfg.dist.timeout_s > 0, "> 0"), ("ckpt.every", cfg.ckpt.every >= 0, ">= 0")]:
+        if not ok:
+            section, key = name.split(".")
+            raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
+    if cfg.ckpt.resume not in ("", "auto") and not (Path(cfg.ckpt.resume).name.removeprefix("step_").isdigit()
+                                                   and dist.is_complete(cfg.ckpt.resume)):
+        raise err(f"ckpt.resume={cfg.ckpt.resume!r} is not a complete checkpoint (a step_<N> directory with a "
+                  "COMPLETE marker); use 'auto' for the newest complete one")
     if not cfg.model.path:
         raise err("model.path is empty: give a checkpoint directory or a hub name")
     looks_local = cfg.model.path.startswith((".", "/")) or os.path.exists(cfg.model.path) \
@@ -337,6 +348,10 @@ def main(argv=None):
     if roles.rank == 0 and cfg.ckpt.resume:
         ck = dist.latest_checkpoint(out / "ckpt") if cfg.ckpt.resume == "auto" else Path(cfg.ckpt.resume)
         resume = [str(ck), int(ck.name.split("_")[-1])] if ck else [None, 0]
+        print(f"ckpt.resume=auto: no complete checkpoint in {out / 'ckpt'}, starting from step 0" if ck is None else
+              f"resume: {ck} is at step {resume[1]} and train.steps={cfg.train.steps}: nothing to train (raise "
+              "--train.steps to continue); exporting the checkpoint's model" if resume[1] >= cfg.train.steps else
+              f"resume: {ck}, continuing at step {resume[1] + 1} of {cfg.train.steps}", flush=True)
     tdist.broadcast_object_list(resume, src=0)
     ckpt_path, start = resume
 
@@ -348,9 +363,14 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    if ckpt_path:  # model, optimizer, schedule; the data order derives from the step
+    skipped_total, skipped_run, num_failed_saves, N = 0, 0, 0, cfg.train.batch_size
+    if ckpt_path:  # model, optimizer, schedule, counters; the data order derives from the step
         extra = dist.load_checkpoint(ckpt_path, model, opt)
         sched.load_state_dict(extra["sched"])
+        skipped_total, skipped_run = extra.get("skipped", (0, 0))
+        if "rng" in extra:  # NOTE: nothing draws from them today; restored so that a fork adding dropout resumes exactly
+            torch.set_rng_state(extra["rng"])
+            random.setstate(extra["py_rng"])
     # NOTE: dtype is the KV cache's; TorchGenerator currently takes it from the (fp32, sharded) params instead
     gen = generator.TorchGenerator(model, max_model_len=max(len(p["prompt_ids"]) for p in held_out)
                                    + cfg.eval.max_tokens, dtype=dtype or torch.float32, tokenizer_path=path)
@@ -364,8 +384,8 @@ def main(argv=None):
         print("config:", resolved)
         (out / "config.json").write_text(resolved)
         metrics = out / "metrics.jsonl"
-        kept = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= start] \
-            if start and metrics.exists() else []  # a resume drops rows logged after its checkpoint
+        kept = [r for r in metrics.read_text().splitlines() if r.endswith("}") and json.loads(r)["step"] <= start] \
+            if start and metrics.exists() else []  # a resume drops rows logged after its checkpoint (and a torn line)
         metrics.write_text("".join(r + "\n" for r in kept))
         if cfg.log.wandb:
             wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
@@ -375,7 +395,6 @@ def main(argv=None):
         ev = evaluate(model, gen, dev_batch, held_out, cfg, roles.device)
         if is_log:
             log_step({"step": 0, **ev}, out, None, wandb_run)
-    skipped_total, skipped_run, N = 0, 0, cfg.train.batch_size
 
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
@@ -394,19 +413,19 @@ def main(argv=None):
         loss_sum = 0.0
         for i in range(0, num_rows, cfg.train.micro_batch):
             nll = nll_sum(model, batch, slice(i, i + cfg.train.micro_batch), roles.device)
+            if dist.fault("nan", s):  # test hook: this step's loss is NaN (tests/test_faults.py)
+                nll = nll * float("nan")
             (nll * dp / max(num_tokens, 1.0)).backward()  # * dp: FSDP2 averages gradients over dp ranks
             loss_sum += float(nll.detach())
         gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
+        dist.fault("kill_opt", s)  # test hook: SIGKILL with gradients computed, before the step
         if torch.isfinite(gnorm):
             opt.step()
         else:  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
             skipped_total += 1
         opt.zero_grad(set_to_none=True)
         sched.step()
-        skipped_run = skipped_run + 1 if not torch.isfinite(gnorm) else 0
-        if skipped_run >= cfg.train.max_skipped_steps:
-            raise RuntimeError(f"{skipped_run} consecutive optimizer steps had a non-finite loss or grad norm "
-                               "(train.max_skipped_steps)")
+        skipped_run = skipped_run + 1 if not torch.isfinite(gnorm) else 0  # aborts after the log, see 4d
         train_s = time.perf_counter() - t_step
         # 4d. metrics, summed over data-parallel ranks
         vec = torch.tensor([loss_sum, float(batch["mask"].numel()), float(sum(len(d[0]) - 1 for d in docs)),
@@ -423,16 +442,28 @@ def main(argv=None):
             tdist.broadcast_object_list(box, src=0)
             stop = bool(cfg.eval.stop_at_accuracy) and s + 1 >= cfg.eval.min_step \
                 and box[0] >= cfg.eval.stop_at_accuracy
-        if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0:
-            dist.save_checkpoint(out / "ckpt", s + 1, model, opt, {"sched": sched.state_dict()})
+        abort = skipped_run >= cfg.train.max_skipped_steps
+        if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0 and not abort:
+            state = {"sched": sched.state_dict(), "skipped": (skipped_total, skipped_run),
+                     "rng": torch.get_rng_state(), "py_rng": random.getstate()}
+            if dist.save_checkpoint(out / "ckpt", s + 1, model, opt, state) is None:  # reported; the run goes on
+                num_failed_saves += 1
+        row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(vec[2]) / max(train_s, 1e-9)
         row["step"] = s + 1
+        stats = f"sft/loss={row['sft/loss']:.4g}, train/grad_norm={row['train/grad_norm']:.4g}"
         if is_log:
             log_step(row, out, bar, wandb_run)
+            if not torch.isfinite(gnorm):
+                bar.write(f"step {s + 1}: non-finite loss or grad norm, optimizer step skipped ({stats})")
             if (s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps or stop:
                 import plots
                 plots.plot_run(out / "metrics.jsonl", out)
+        if abort:  # after the log, so the batch that tipped it over is on record
+            raise RuntimeError(f"{skipped_run} consecutive steps (up to step {s + 1}) had a non-finite loss or grad "
+                               f"norm, train.max_skipped_steps={cfg.train.max_skipped_steps}: aborting. Last batch: "
+                               f"{stats}")
         if stop:
             if is_log:
                 bar.write(f"eval/pass@1={row['eval/pass@1']:.3f} >= {cfg.eval.stop_at_accuracy} at step {s + 1}: "
