@@ -75,7 +75,9 @@ class Data:
     instruction: str = ""           # appended to every gsm8k question (e.g. "put the answer in \\boxed{}")
     min_digits: int = 2             # arith: operand size of RL and eval problems
     max_digits: int = 2
-    max_prompt_tokens: int = 512    # longer prompts are dropped (counted in the log)
+    max_prompt_tokens: int = 512    # longer prompts are dropped or truncated (counted in the log)
+    long_prompts: str = "drop"      # drop | truncate (keeps the last tokens: the generation prompt survives)
+    max_bad_fraction: float = 0.01  # gsm8k: skip malformed rows (counted, first shown); abort above this fraction
 
 
 @dataclass
@@ -167,6 +169,59 @@ def parse_config(argv):
 def validate(cfg, world_size):
     """Cross-field checks, before anything heavy is loaded."""
     err = config.ConfigError
+    c = cfg
+    for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
+            ("model.dtype", c.model.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
+            ("data.name", c.data.name in ("arith", "gsm8k"), "arith or gsm8k"),
+            ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits, ">= 1 and <= data.max_digits"),
+            ("data.max_prompt_tokens", c.data.max_prompt_tokens >= 1, ">= 1"),
+            ("data.long_prompts", c.data.long_prompts in ("drop", "truncate"), "drop or truncate"),
+            ("data.max_bad_fraction", 0 <= c.data.max_bad_fraction <= 1, "in [0, 1]"),
+            ("rollout.prompts_per_step", c.rollout.prompts_per_step >= 1, ">= 1"),
+            ("rollout.group_size", c.rollout.group_size >= 1, ">= 1"),
+            ("rollout.temperature", c.rollout.temperature > 0, "> 0"),
+            ("rollout.top_p", 0 < c.rollout.top_p <= 1, "in (0, 1]"),
+            ("rollout.top_k", c.rollout.top_k == -1 or c.rollout.top_k >= 1, "-1 (off) or >= 1"),
+            ("rollout.max_tokens", c.rollout.max_tokens >= 1, ">= 1"),
+            ("rollout.backend", c.rollout.backend in ("vllm", "torch"), "vllm or torch"),
+            ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 1, ">= 1"),
+            ("rollout.max_staleness", c.rollout.max_staleness >= 0, ">= 0"),
+            ("rollout.overlong_cache", 0 <= c.rollout.overlong_cache < c.rollout.max_tokens,
+             ">= 0 and < rollout.max_tokens"),
+            ("rollout.reward_timeout_s", c.rollout.reward_timeout_s > 0, "> 0"),
+            ("rollout.reward_workers", c.rollout.reward_workers >= 0, ">= 0"),
+            ("loss.adv_eps", c.loss.adv_eps > 0, "> 0"),
+            ("loss.tis_cap", c.loss.tis_cap >= 0, ">= 0 (0 = off)"),
+            ("loss.entropy_coef", c.loss.entropy_coef >= 0, ">= 0"),
+            ("optim.lr", c.optim.lr > 0, "> 0"),
+            ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "two values in [0, 1)"),
+            ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
+            ("optim.warmup_steps", c.optim.warmup_steps >= 0, ">= 0"),
+            ("optim.schedule", c.optim.schedule in ("constant", "cosine"), "constant or cosine"),
+            ("optim.min_lr_ratio", 0 <= c.optim.min_lr_ratio <= 1, "in [0, 1]"),
+            ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
+            ("train.steps", c.train.steps >= 1, ">= 1"),
+            ("train.ppo_epochs", c.train.ppo_epochs >= 1, ">= 1"),
+            ("train.minibatches", c.train.minibatches >= 1, ">= 1"),
+            ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
+            ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
+            ("dist.tp", c.dist.tp >= 1, ">= 1"),
+            ("dist.sync_interval", c.dist.sync_interval >= 1, ">= 1"),
+            ("dist.sync_bucket_mb", c.dist.sync_bucket_mb >= 1, ">= 1"),
+            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"),
+            ("eval.every", c.eval.every >= 0, ">= 0 (0 = only at start and end)"),
+            ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
+            ("eval.pass_k", c.eval.pass_k >= 0, ">= 0 (0 = off)"),
+            ("log.run", bool(c.log.run), "a non-empty name"),
+            ("log.plot_every", c.log.plot_every >= 1, ">= 1"),
+            ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)")]:
+        if not ok:
+            section, key = name.split(".")
+            raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
+    if cfg.ckpt.resume not in ("", "auto") and not (Path(cfg.ckpt.resume).name.removeprefix("step_").isdigit()
+                                                   and dist.is_complete(cfg.ckpt.resume)):
+        raise err(f"ckpt.resume={cfg.ckpt.resume!r} is not a complete checkpoint (a step_<N> directory with a "
+                  "COMPLETE marker); use 'auto' for the newest complete one")
     if cfg.loss.name not in losses.LOSSES:
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
     try:
@@ -187,20 +242,6 @@ def validate(cfg, world_size):
     if cfg.rollout.prompts_per_step % dp:
         raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
                   f"data-parallel size {dp}")
-    if cfg.rollout.backend not in ("vllm", "torch"):
-        raise err(f"rollout.backend: {cfg.rollout.backend!r} is not vllm or torch")
-    if cfg.data.name not in ("arith", "gsm8k"):
-        raise err(f"data.name: {cfg.data.name!r} is not arith or gsm8k")
-    if cfg.optim.schedule not in ("constant", "cosine"):
-        raise err(f"optim.schedule: {cfg.optim.schedule!r} is not constant or cosine")
-    for name, v in [("train.steps", cfg.train.steps), ("train.micro_batch", cfg.train.micro_batch),
-                    ("train.ppo_epochs", cfg.train.ppo_epochs), ("train.minibatches", cfg.train.minibatches),
-                    ("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
-                    ("rollout.max_tokens", cfg.rollout.max_tokens), ("dist.sync_interval", cfg.dist.sync_interval)]:
-        if v < 1:
-            raise err(f"{name}={v} must be >= 1")
-    if cfg.optim.lr <= 0 or cfg.rollout.temperature <= 0:
-        raise err("optim.lr and rollout.temperature must be > 0")
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
         raise err("log.wandb=True needs `pip install wandb` (an optional extra; WANDB_MODE=offline works offline)")
     if not cfg.model.path:
@@ -244,25 +285,33 @@ def build_generator(cfg, path, max_model_len):
 
 
 def load_tasks(cfg, tok):
-    """Train and held-out problems as dicts with prompt_ids; too-long prompts dropped and counted."""
+    """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
+    too-long prompts dropped or truncated (data.long_prompts), counted."""
     if cfg.data.name == "arith":
         held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
                                    min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
         train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
                                 max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
     else:
-        train = data.load_gsm8k(cfg.data.source, "train")
-        held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
-    dropped = 0
+        train = data.load_gsm8k(cfg.data.source, "train", cfg.data.max_bad_fraction)
+        held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test",
+                                   cfg.data.max_bad_fraction)[:cfg.eval.num_problems]
+    num_long, L = 0, cfg.data.max_prompt_tokens
     for split in (train, held_out):
         keep = []
         for p in split:
             p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
-            if len(p["prompt_ids"]) <= cfg.data.max_prompt_tokens:
+            num_long += len(p["prompt_ids"]) > L
+            if len(p["prompt_ids"]) > L and cfg.data.long_prompts == "truncate":
+                p["prompt_ids"] = p["prompt_ids"][-L:]
+            if len(p["prompt_ids"]) <= L:
                 keep.append(p)
-        dropped += len(split) - len(keep)
         split[:] = keep
-    return train, held_out, dropped
+    for i, p in enumerate(train):
+        p["id"] = i
+    if not train:
+        raise RuntimeError(f"no training prompts left: all are longer than data.max_prompt_tokens={L}")
+    return train, held_out, num_long
 
 
 def step_prompts(train, step, batch, seed):
@@ -374,12 +423,14 @@ def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device):
+def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
     """ppo_epochs x minibatches optimizer steps on this rank's batch; returns summed metrics."""
     n = len(batch["ids"])
     mb_size = math.ceil(n / cfg.train.minibatches)
     sums, num_opt, skipped, first_logp = {}, 0, 0, torch.zeros_like(batch["gen_logp"])
-    gen = torch.Generator().manual_seed(cfg.train.seed)
+    # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
+    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
+    poison = dist.fault("nan", step)  # test hook: this step's loss is NaN (tests/test_faults.py)
     for epoch in range(cfg.train.ppo_epochs):
         perm = torch.randperm(n, generator=gen) if cfg.train.minibatches > 1 else torch.arange(n)
         for mb_start in range(0, n, mb_size):
@@ -397,6 +448,8 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                                                          cfg.loss.tis_cap)
                 loss, m = loss_fn(logp, None if ref_logp is None else ref_logp[rows].to(device), mb_adv, mask,
                                   old_logprobs=None if old_logp is None else old_logp[rows].to(device))
+                if poison:
+                    loss = loss * float("nan")
                 m["loss/entropy"] = masked_mean(ent.detach(), mask)
                 if cfg.loss.entropy_coef:
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
@@ -405,6 +458,8 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * len(rows) / n
             gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
+            dist.fault("kill_opt", step)  # test hook: SIGKILL with gradients computed, before the step
+            # a NaN/inf loss gives NaN/inf grads, and the norm is global, so every rank skips the same steps
             if torch.isfinite(gnorm):
                 opt.step()
             else:  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
@@ -458,8 +513,10 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
     """A dedicated generator rank: the trainer's sequence of collectives, with generation between."""
     producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
     B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    gen_step = lambda s: generate_share(gen, step_prompts(train, s, B, cfg.train.seed), producer, num_producers,
-                                        G, cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
+    def gen_step(s):
+        dist.fault("kill_gen", s)  # test hook: SIGKILL this generator rank as it starts generating step s
+        return generate_share(gen, step_prompts(train, s, B, cfg.train.seed), producer, num_producers, G,
+                              cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
     receive = lambda version: lambda named: gen.update_weights(named, version)  # noqa: E731
     if start > 0:  # resumed: take the restored weights before generating anything
         dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
@@ -475,6 +532,30 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
             dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         if eval_due(s, cfg):
             evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
+
+
+def resume_message(ck, step, steps, ckpt_dir):
+    """Say what a resume does, so that it can never silently train zero steps."""
+    if ck is None:
+        return f"ckpt.resume=auto: no complete checkpoint in {ckpt_dir}, starting from step 0"
+    if step >= steps:
+        return (f"resume: {ck} is at step {step} and train.steps={steps}: nothing to train "
+                "(raise --train.steps to continue); exporting the checkpoint's policy")
+    return f"resume: {ck}, continuing at step {step + 1} of {steps}"
+
+
+def read_log(path, last_step):
+    """A .jsonl log's rows up to `last_step` (a resume drops rows logged after its checkpoint); a torn last
+    line, from a kill mid-write, is dropped too."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row["step"] <= last_step:
+            rows.append(line + "\n")
+    return "".join(rows)
 
 
 def make_rewards(cfg):
@@ -526,6 +607,7 @@ def main(argv=None):
     if roles.rank == 0 and cfg.ckpt.resume:
         ck = dist.latest_checkpoint(out / "ckpt") if cfg.ckpt.resume == "auto" else Path(cfg.ckpt.resume)
         resume = [str(ck), int(ck.name.split("_")[-1])] if ck else [None, 0]
+        print(resume_message(ck, resume[1], cfg.train.steps, out / "ckpt"), flush=True)
     tdist.broadcast_object_list(resume, src=0)
     ckpt_path, start = resume
     if roles.is_generator:
@@ -546,9 +628,16 @@ def main(argv=None):
                             weight_decay=cfg.optim.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     receive = (lambda v: lambda named: gen.update_weights(named, v)) if gen is not None else (lambda v: None)
-    if ckpt_path:  # model, optimizer, schedule; data order and sampling seeds derive from the step
+    skipped_total, skipped_run, num_failed_saves = 0, 0, 0
+    if ckpt_path:  # model, optimizer, schedule, counters; data order and sampling seeds derive from the step
         extra = dist.load_checkpoint(ckpt_path, model, opt)
         sched.load_state_dict(extra["sched"])
+        skipped_total, skipped_run = extra.get("skipped", (0, 0))
+        # NOTE: nothing in the loop draws from the global RNGs (every stream is seeded from (seed, step)); they are
+        # restored anyway so that a fork which adds dropout or random masking still resumes exactly
+        if "rng" in extra:
+            torch.set_rng_state(extra["rng"])
+            random.setstate(extra["py_rng"])
         dist.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
@@ -559,8 +648,8 @@ def main(argv=None):
         resolved = json.dumps(config.to_dict(vars(cfg)))
         print("config:", resolved)
         (out / "config.json").write_text(resolved)
-        if start == 0:
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+        for log in ("metrics.jsonl", "prompts.jsonl"):  # start 0 empties them
+            (out / log).write_text(read_log(out / log, start))
         if cfg.log.wandb:
             wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
     from tqdm import tqdm
@@ -569,16 +658,18 @@ def main(argv=None):
         ev = evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         if is_log:
             log_step({"step": 0, **ev}, out, None, wandb_run)
-    skipped_total, skipped_run = 0, 0
 
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
         t_step = time.perf_counter()
         # 4a. prompts: a pure function of (seed, step), identical on every rank
         problems = step_prompts(train, s, B, cfg.train.seed)
+        prompt_ids = [p["id"] for p in problems]  # logged to prompts.jsonl: which data each step saw
         # 4b. generate: colocated trainers generate their share; dedicated ones wait for the generators
-        local = generate_share(gen, problems, producer, num_producers, G, T, cfg,
-                               seed=cfg.train.seed * 100_003 + s) if gen is not None else None
+        local = None
+        if gen is not None:
+            dist.fault("kill_gen", s)  # test hook: SIGKILL this rank as it starts generating step s
+            local = generate_share(gen, problems, producer, num_producers, G, T, cfg, seed=cfg.train.seed * 100_003 + s)
         t0 = time.perf_counter()
         groups, gen_s = collect(local, B)
         wait_s = time.perf_counter() - t0
@@ -611,15 +702,12 @@ def main(argv=None):
         if roles.colocated and gen is not None:
             gen.sleep()  # GPU: free the engine's memory for the update (a no-op on CPU)
         m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
-                                        roles.device)
+                                        roles.device, s)
         train_s = time.perf_counter() - t0
         if roles.colocated and gen is not None:
             gen.wake_up()
         skipped_total += skipped
-        skipped_run = skipped_run + 1 if skipped else 0
-        if skipped_run >= cfg.train.max_skipped_steps:
-            raise RuntimeError(f"{skipped_run} consecutive optimizer steps had a non-finite loss or grad norm; "
-                               f"last batch reward mean {float(r.mean()):.4g} (train.max_skipped_steps)")
+        skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
         t0 = time.perf_counter()
         sync = {}
@@ -638,23 +726,39 @@ def main(argv=None):
                "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
                "perf/gen_s": gen_s, "perf/wait_s": wait_s, "perf/reward_s": reward_s, "perf/ref_s": ref_s,
                "perf/old_s": old_s, "perf/train_s": train_s, "perf/sync_s": sync_s,
-               "data/dropped_prompts": float(num_dropped)}
+               "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts":
+                   float(num_dropped)}
         keys = sorted(row)
         vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
         tdist.all_reduce(vec, group=mesh["dp_shard"].get_group())
         row = {k: float(v) / dp for k, v in zip(keys, vec)}
         if eval_due(s, cfg):
             row.update(evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
-        if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0:
-            dist.save_checkpoint(out / "ckpt", s + 1, model, opt, {"sched": sched.state_dict()})
+        abort = skipped_run >= cfg.train.max_skipped_steps
+        if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0 and not abort:
+            state = {"sched": sched.state_dict(), "skipped": (skipped_total, skipped_run),
+                     "rng": torch.get_rng_state(), "py_rng": random.getstate()}
+            if dist.save_checkpoint(out / "ckpt", s + 1, model, opt, state) is None:  # reported; the run goes on
+                num_failed_saves += 1
+        row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
         row["step"] = s + 1
+        stats = ", ".join(f"{k}={row[k]:.4g}" for k in ("loss/total", "train/grad_norm", "rollout/reward_mean",
+                                                         "rollout/response_len") if k in row)
         if is_log:
             log_step(row, out, bar, wandb_run)
+            with open(out / "prompts.jsonl", "a") as f:
+                f.write(json.dumps({"step": s + 1, "ids": prompt_ids}) + "\n")
+            if skipped:
+                bar.write(f"step {s + 1}: non-finite loss or grad norm, optimizer step skipped ({stats})")
             if (s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps:
                 import plots
                 plots.plot_run(out / "metrics.jsonl", out)
+        if abort:  # after the log, so the batch that tipped it over is on record
+            raise RuntimeError(f"{skipped_run} consecutive steps (up to step {s + 1}) had a non-finite loss or grad "
+                               f"norm, train.max_skipped_steps={cfg.train.max_skipped_steps}: aborting. Last batch: "
+                               f"{stats}")
 
     # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
     dist.export_hf(model, out / "hf", tokenizer_dir=path)
