@@ -648,8 +648,8 @@ def main(argv=None):
         resolved = json.dumps(config.to_dict(vars(cfg)))
         print("config:", resolved)
         (out / "config.json").write_text(resolved)
-        for log in ("metrics.jsonl", "prompts.jsonl"):  # start 0 empties them
-            (out / log).write_text(read_log(out / log, start))
+        for log in ("metrics.jsonl", "prompts.jsonl"):  # a fresh start empties them
+            (out / log).write_text(read_log(out / log, start) if start else "")
         if cfg.log.wandb:
             wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
     from tqdm import tqdm
