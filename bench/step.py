@@ -67,8 +67,9 @@ def run_grpo(overrides, steps, out_dir, nproc=2, config="configs/tiny.py", timeo
     out_dir.mkdir(parents=True, exist_ok=True)
     make_tiny = ckpt is None
     ckpt = out_dir / "ckpt" if make_tiny else ckpt
-    args = [config, f"--model.path={ckpt}", f"--model.make_tiny={make_tiny}", f"--train.steps={steps}", "--eval.every=0",
-            "--eval.num_problems=8", "--log.run=run", f"--log.out_dir={out_dir}", "--log.plot_every=1000000",
+    args = [config, f"--model.path={ckpt}", f"--model.make_tiny={make_tiny}", f"--train.steps={steps}",
+            "--eval.every=0", "--eval.num_problems=8", "--log.run=run", f"--log.out_dir={out_dir}",
+            "--log.plot_every=1000000",
             *overrides]
     env = {**os.environ, "NF_BENCH_OUT": str(out_dir), "TQDM_DISABLE": "1"}
     if profile:

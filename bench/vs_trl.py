@@ -46,9 +46,10 @@ VENV = ROOT / "bench" / ".venv-trl"
 TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0"]
 SHARED_PINS = ["transformers==5.19.0", "numpy==2.3.5", "torch==2.13.0"]  # must match requirements-cpu.txt
 SIZES = {  # data.make_tiny_checkpoint kwargs, and the per-step workload (B prompts x G samples)
-    "tiny": dict(model=dict(), prompts=32),
+    "tiny": dict(model=dict(), prompts=32, variants=["sync", "async", "torch"]),
+    # 4 prompts x 8: every step costs ~10 s of compute on 2 cores already; the torch-vs-vLLM question is the tiny one
     "50m": dict(model=dict(hidden_size=512, num_hidden_layers=14, num_attention_heads=8, num_key_value_heads=8,
-                           head_dim=64, intermediate_size=1536), prompts=8),
+                           head_dim=64, intermediate_size=1536), prompts=4, variants=["sync", "async"]),
 }
 G, MAX_TOKENS, LR = 8, 40, 3e-4
 
@@ -187,8 +188,9 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--measure-from", type=int, default=5)
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default: per size)")
-    p.add_argument("--variants", nargs="+", default=["sync", "async", "torch"],
-                   help="nanoforge runs: sync (vLLM rank), async (vLLM rank, staleness 1), torch (colocated)")
+    p.add_argument("--variants", nargs="+", default=None, choices=["sync", "async", "torch"],
+                   help="nanoforge runs: sync (vLLM rank), async (vLLM rank, staleness 1), torch (colocated "
+                        "torch generator, one process); default per size")
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_trl.json"))
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -214,7 +216,7 @@ def main():
                    "group_size": G, "max_tokens": MAX_TOKENS}
             res["trl"] = run_trl(py, ckpt, size, a, tmp)
             print(f"[{size}] TRL: step {res['trl']['step_s']:.3f} s (gen {res['trl']['gen_s']:.3f})", flush=True)
-            for v in a.variants:
+            for v in a.variants or SIZES[size]["variants"]:
                 extra, nproc = variants[v]
                 res[f"nanoforge_{v}"] = run_nanoforge(ckpt, size, a, tmp, extra, nproc)
                 n = res[f"nanoforge_{v}"]
@@ -225,7 +227,7 @@ def main():
     print(f"\n{'size':5s} {'run':16s} {'step s':>7s} {'gen s':>6s} {'train s':>7s} {'nf/TRL':>6s} {'RSS MB':>7s} "
           f"{'reward@N':>8s}")
     for size, res in results.items():
-        for k in ["trl"] + [f"nanoforge_{v}" for v in a.variants]:
+        for k in [k for k in res if k == "trl" or k.startswith("nanoforge_")]:
             r = res[k]
             print(f"{size:5s} {k:16s} {r['step_s']:7.3f} {r['gen_s']:6.3f} {r['train_s']:7.3f} "
                   f"{r.get('step_time_ratio', 1.0):6.2f} {r['peak_rss_mb']:7.0f} {r['reward_last']:8.3f}")
