@@ -402,6 +402,27 @@ def export_hf(model, path, tokenizer_dir=None):
     return Path(path)
 
 
+def explain_failure(e: BaseException, wait_s: float = 3.0) -> str | None:
+    """For an exception out of a collective (gloo/NCCL): which ranks are lost? The survivors check in at the
+    rendezvous store (it lives in torchrun's agent, so it outlives a dead worker), wait `wait_s`, and name the ranks
+    that never did (dead, or stuck elsewhere). None for any other exception. torchrun's agent kills the other local
+    workers as soon as one dies; this is for the ranks on other nodes, whose agents only see the error."""
+    text = f"{type(e).__name__}: {e}"
+    if not dist.is_initialized() or not (isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text):
+        return None
+    rank, first_line = dist.get_rank(), text.splitlines()[0][:300]
+    try:  # NOTE: _get_default_store is private, but the only handle on the store every rank already shares
+        store = dist.distributed_c10d._get_default_store()
+        store.add(f"nanoforge/checkin/{rank}", 1)
+        time.sleep(wait_s)
+        lost = [r for r in range(dist.get_world_size()) if not store.check([f"nanoforge/checkin/{r}"])]
+        who = f"lost rank(s) {lost} (no check-in within {wait_s:.0f} s: dead or stuck)" if lost else \
+            "every rank checked in: a collective failed without a lost rank"
+    except Exception as store_err:
+        who = f"the rendezvous store is unreachable too ({type(store_err).__name__}): the node hosting it is lost"
+    return f"rank {rank}: a collective failed ({first_line}); {who}"
+
+
 def shutdown():
     """Orderly teardown: wait for everyone, then destroy the groups (a rank leaving early can abort the others)."""
     if not dist.is_initialized():

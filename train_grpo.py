@@ -771,3 +771,10 @@ if __name__ == "__main__":
         main()
     except config.ConfigError as e:  # a clear one-line message, not a traceback
         sys.exit(f"config error: {e}")
+    except Exception as e:  # a collective failed: name the lost rank(s) after the traceback
+        why = dist.explain_failure(e)
+        if why is None:
+            raise
+        import traceback
+        traceback.print_exc()
+        sys.exit(why)

@@ -267,3 +267,33 @@ def test_grpo_data_malformed_rows_and_long_prompts(tiny_ckpt, tmp_path, capsys):
     assert long["prompt_ids"] == data.prompt_ids(tok, long["question"])[-limit:]  # the generation prompt survives
     with pytest.raises(ValueError, match="more than max_bad_fraction=0.05"):
         train_grpo.load_tasks(train_grpo.parse_config([*base, "--data.max_bad_fraction=0.05"]), tok)
+
+
+@pytest.mark.slow
+def test_dead_node_does_not_hang_the_other(sft, tmp_path):
+    """Two torchrun agents (--nnodes=2, one process each), as on two machines: node 1's worker (the generator
+    rank) is SIGKILLed as it starts generating step 2. Node 0 must not wait for it beyond dist.timeout_s."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    timeout_s = 20
+    args = [*GRPO, f"--model.path={sft['out'] / 'sft' / 'hf'}", "--model.make_tiny=false", "--train.steps=3",
+            "--ckpt.every=0", f"--dist.timeout_s={timeout_s}", f"--log.out_dir={tmp_path}", "--log.run=mn"]
+    env = {**{k: v for k, v in os.environ.items() if k != "NANOFORGE_FAULT"}, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                               "train_grpo.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**env, **({"NANOFORGE_FAULT": "kill_gen@1"} if node else {})})
+             for node in (0, 1)]
+    logs, ends = [], []
+    for p in procs:
+        logs.append(p.communicate(timeout=300)[0])
+        ends.append(time.time())
+    assert procs[0].returncode != 0 and procs[1].returncode != 0, logs[0][-2000:] + logs[1][-2000:]
+    t_kill = sigkill_time(logs[1])
+    print(f"dead node: node 0 exited {ends[0] - t_kill:.1f} s after node 1's worker was SIGKILLed "
+          f"(dist.timeout_s={timeout_s}); node 0 said: {logs[0][-1500:]}")
+    assert "rank      : 1" in logs[1] and "exitcode  : -9" in logs[1]  # node 1's agent names the lost rank
+    assert "rank 0: a collective failed" in logs[0] and "lost rank(s) [1]" in logs[0], logs[0][-3000:]  # so does node 0
+    assert ends[0] - t_kill < timeout_s + 15, ends[0] - t_kill
