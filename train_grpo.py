@@ -148,7 +148,8 @@ class Eval:
 
 @dataclass
 class Log:
-    run: str = "grpo"               # outputs go to <out_dir>/<run>/
+    run: str = "grpo"               # outputs go to <out_dir>/<run>/: metrics.jsonl, prompts.jsonl (each step's
+                                    # prompt ids: what a resume must replay), config.json, curves.png, ckpt/, hf/
     out_dir: str = "out"
     plot_every: int = 25            # refresh PNG plots every N steps
     wandb: bool = False             # needs `pip install wandb`; WANDB_MODE=offline works offline

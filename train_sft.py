@@ -77,6 +77,7 @@ class Data:
     eval_max_digits: int = 2
     pack_len: int = 512             # tokens per packed row; 0 = one example per (padded) row
     max_seq_tokens: int = 512       # longer examples are truncated (counted in the log)
+    max_bad_fraction: float = 0.01  # gsm8k: skip malformed rows (counted, first shown); abort above this fraction
 
 
 @dataclass
@@ -163,7 +164,8 @@ def validate(cfg, world_size):
             ("optim.weight_decay", cfg.optim.weight_decay >= 0, ">= 0"),
             ("optim.warmup_steps", cfg.optim.warmup_steps >= 0, ">= 0"),
             ("train.max_skipped_steps", cfg.train.max_skipped_steps >= 1, ">= 1"),
-            ("dist.timeout_s", cfg.dist.timeout_s > 0, "> 0"), ("ckpt.every", cfg.ckpt.every >= 0, ">= 0")]:
+            ("dist.timeout_s", cfg.dist.timeout_s > 0, "> 0"), ("ckpt.every", cfg.ckpt.every >= 0, ">= 0"),
+            ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "in [0, 1]")]:
         if not ok:
             section, key = name.split(".")
             raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
@@ -206,8 +208,9 @@ def load_tasks(cfg):
                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
         grpo_test = data.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
         return None, held_out, {p["question"] for p in held_out + grpo_test}
-    held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
-    return data.load_gsm8k(cfg.data.source, "train"), held_out, set()
+    held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test",
+                               cfg.data.max_bad_fraction)[:cfg.eval.num_problems]
+    return data.load_gsm8k(cfg.data.source, "train", cfg.data.max_bad_fraction), held_out, set()
 
 
 def step_examples(train, step, batch, seed, cfg, exclude):
