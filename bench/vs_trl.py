@@ -135,11 +135,14 @@ def trl_worker(a):
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, torch_threads=torch.get_num_threads())))
 
 
-def summarize(step_s, gen_s, reward, rss_mb, lo, hi):
-    """Median over steps lo..hi (1-based, inclusive)."""
+def summarize(step_s, gen_s, reward, rss_mb, lo, hi, wait_s=None):
+    """Median over steps lo..hi (1-based, inclusive). train_s = the step's time outside generation: step - gen, or
+    for nanoforge step - wait (the time the trainer did not spend waiting for completions; with max_staleness=1
+    generation overlaps training, so gen + train > step there)."""
     sl = slice(lo - 1, hi)
     step, gen = statistics.median(step_s[sl]), statistics.median(gen_s[sl])
-    return dict(step_s=step, gen_s=gen, train_s=statistics.median(s - g for s, g in zip(step_s[sl], gen_s[sl])),
+    busy = [s - w for s, w in zip(step_s, wait_s or gen_s)][sl]
+    return dict(step_s=step, gen_s=gen, train_s=statistics.median(busy),
                 reward_last=reward[hi - 1], reward_mean_last5=statistics.mean(reward[max(0, hi - 5):hi]),
                 peak_rss_mb=rss_mb, steps_measured=f"{lo}..{hi}")
 
@@ -170,9 +173,11 @@ def run_nanoforge(ckpt, size, a, tmp, extra, nproc):
                                     Path(tmp) / f"nf_{size}_{len(os.listdir(tmp))}", nproc=nproc,
                                     timeout=a.timeout, ckpt=ckpt)
     s = summarize([r["perf/step_s"] for r in rows], [r["perf/gen_s"] for r in rows],
-                  [r["rollout/reward_mean"] for r in rows], max(rss.values()), a.measure_from, a.steps)
+                  [r["rollout/reward_mean"] for r in rows], max(rss.values()), a.measure_from, a.steps,
+                  wait_s=[r["perf/wait_s"] for r in rows])
     s["peak_rss_mb_per_rank"] = rss
-    return {**s, "wall_s": wall, "overrides": extra}
+    per_step = [{k: r[k] for k in r if k.startswith("perf/") or k == "rollout/reward_mean"} for r in rows]
+    return {**s, "wall_s": wall, "overrides": extra, "per_step": per_step}
 
 
 def _load_step():
