@@ -10,9 +10,9 @@ if it needs non-default settings, run this, look at out/compare/compare.png and 
 What is held fixed: the start checkpoint (the demo's SFT export out/demo/sft/hf when it exists, else a fresh
 SFT run into out/compare/sft, stopped at the same ~0.4 accuracy), the seed (same prompts every step, same
 sampling seeds, same 500 held-out problems), rollouts (32 prompts x 8 samples, temperature 1, 40 tokens),
-the optimizer (AdamW, lr 5e-4, (0.9, 0.99), clip 1.0, one step per batch) and the pipeline: the demo's
-GRPO settings (demo.GRPO_ARGS), including one-batch-ahead generation. That last part matters for a fair
-comparison: the batch a step trains on was sampled by the weights one step older, and the generator's
+the optimizer (configs/tiny.py: AdamW, lr 3e-4, (0.9, 0.99), clip 1.0, one step per batch) and the
+pipeline, which differs from the demo in one flag: one-batch-ahead generation (rollout.max_staleness=1).
+That matters for a fair comparison: the batch a step trains on was sampled by the weights one step older, and the generator's
 logprobs are the losses' old_logprobs, so the ratio r = pi / pi_old is not 1 and each loss's clipping or
 importance weighting really acts (fully on-policy with one step per batch, r is exactly 1 and GRPO, DAPO,
 CISPO, ... reduce to nearly the same gradient). No KL term anywhere (beta = 0).
@@ -27,8 +27,9 @@ out/compare/gspo/metrics.jsonl before judging it, and retry it alone with wider 
 
 Budget: each run is `--steps` GRPO steps (default 100) with an eval of 500 problems every 20 steps, under
 torchrun with one trainer rank and one vLLM rank, exactly like the demo. On 2 idle CPU cores a run takes
-about 2.3 minutes (~1.05 s/step plus ~30 s of start-up and evals), so all eight take ~20 minutes (plus
-~3 minutes of SFT when no demo checkpoint exists). 100 steps is enough to separate a loss that learns from one that
+about 2.5 minutes (~1.2 s/step measured with one-batch-ahead generation, plus ~30 s of start-up and
+evals), so all eight take ~20 minutes (plus ~6 minutes of SFT when no demo checkpoint exists). These are
+estimates from the demo's measured step times; the comparison has not yet been run end to end on 2 cores. 100 steps is enough to separate a loss that learns from one that
 does not; differences of a few points between losses that all learn are within the eval noise (about
 +-0.04 between evals at a plateau), so compare the smoothed column and rerun with another --seed before
 believing them.
@@ -48,6 +49,7 @@ import demo  # noqa: E402  (scripts/demo.py: run_phase, read_metrics, moving_ave
 sys.path.insert(0, str(demo.ROOT))
 import losses  # noqa: E402
 
+SHARED = ["--rollout.max_staleness=1", "--eval.every=20"]  # see the docstring: r != 1, so clipping acts
 # Per-loss settings on top of the shared ones; a new loss needs a row only if its defaults are not enough.
 KNOBS = {
     "grpo": ['--loss.kwargs={"beta": 0.0, "agg": "token_mean"}'],        # the demo's calibrated setting
@@ -70,7 +72,7 @@ def start_checkpoint(out_dir, seed):
     out.mkdir(parents=True, exist_ok=True)
     demo.run_phase("SFT (start checkpoint)", [sys.executable, "train_sft.py", "configs/sft_tiny.py",
                    f"--log.out_dir={out_dir}", "--log.run=compare/sft", f"--train.seed={seed}",
-                   f"--model.path={out_dir}/tiny/init", "--model.make_tiny=true", *demo.SFT_ARGS], out / "sft.log")
+                   f"--model.path={out_dir}/tiny/init", "--model.make_tiny=true"], out / "sft.log")
     return out / "sft" / "hf"
 
 
@@ -140,7 +142,7 @@ def main(argv=None):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "train_grpo.py", "configs/tiny.py", f"--log.out_dir={args.out_dir}", f"--log.run=compare/{name}",
                f"--model.path={start}", "--model.make_tiny=false", f"--train.seed={args.seed}",
-               f"--train.steps={args.steps}", "--eval.every=20", *demo.GRPO_ARGS,
+               f"--train.steps={args.steps}", *SHARED,
                f"--loss.name={name}", *KNOBS.get(name, []), *shared]
         t0 = time.perf_counter()
         seconds = demo.run_phase(f"GRPO with loss {name}", cmd, out / f"{name}.log")
