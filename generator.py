@@ -225,16 +225,20 @@ def sample(logits, temperature, top_k, top_p, generator):
 
 
 class TorchGenerator:
-    def __init__(self, model_or_path, *, max_model_len=1024, dtype=torch.float32, device="cpu", seed=0,
+    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0,
                  tokenizer_path=None):
+        # dtype: the compute dtype (KV cache included). None = the parameters' dtype; pass it for an FSDP2 module
+        # with bf16 mixed precision, whose stored parameters stay fp32 while attention runs in bf16.
         import model as model_lib
         self._lib = model_lib
         if isinstance(model_or_path, torch.nn.Module):  # share the trainer's module (colocated, tests)
             self.model, path = model_or_path, tokenizer_path
         else:
             path = tokenizer_path or model_or_path
-            self.model = model_lib.Transformer.from_pretrained(model_or_path, dtype=dtype, device=device)
+            self.model = model_lib.Transformer.from_pretrained(model_or_path, dtype=dtype or torch.float32,
+                                                               device=device)
         self.model.eval()
+        self.dtype = dtype
         self.max_model_len, self.version = max_model_len, 0
         self.device = next(self.model.parameters()).device
         self.eos_ids, self._decode = (eos_token_ids(path) if path else []), _decoder(path)
@@ -251,7 +255,7 @@ class TorchGenerator:
         if P >= self.max_model_len:
             raise ValueError(f"prompt of {P} tokens does not fit max_model_len={self.max_model_len}")
         T = min(max_tokens, self.max_model_len - P)
-        cfg, dtype = self.model.cfg, next(self.model.parameters()).dtype
+        cfg, dtype = self.model.cfg, self.dtype or next(self.model.parameters()).dtype
 
         # 1) prefill each prompt once, left-padded so every row's next token goes to column P.
         ids = torch.zeros(B, P, dtype=torch.long, device=dev)
