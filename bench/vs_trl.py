@@ -174,7 +174,8 @@ def run_nanoforge(ckpt, size, a, tmp, extra, nproc):
                                     timeout=a.timeout, ckpt=ckpt)
     s = summarize([r["perf/step_s"] for r in rows], [r["perf/gen_s"] for r in rows],
                   [r["rollout/reward_mean"] for r in rows], max(rss.values()), a.measure_from, a.steps,
-                  wait_s=[r["perf/wait_s"] for r in rows])
+                  # colocated (nproc 1): generation runs inside the step before the wait, so it counts too
+                  wait_s=[r["perf/wait_s"] + (r["perf/gen_s"] if nproc == 1 else 0.0) for r in rows])
     s["peak_rss_mb_per_rank"] = rss
     per_step = [{k: r[k] for k in r if k.startswith("perf/") or k == "rollout/reward_mean"} for r in rows]
     return {**s, "wall_s": wall, "overrides": extra, "per_step": per_step}
