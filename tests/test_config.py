@@ -88,3 +88,57 @@ def test_train_grpo_rejects_bad_config_before_loading(args, message):
     assert res.returncode != 0
     assert message in res.stderr, res.stderr[-2000:]
     assert "Traceback" not in res.stderr  # one clear line, and nothing heavy was started
+
+
+# ---- every shipped config parses and validates, offline, at the world size its header launches ----
+
+CONFIGS = sorted((ROOT / "configs").glob("*.py"))
+
+
+def intended_world_size(path):
+    """The `--nproc_per_node=N` of the launch line in the config's header comment; plain `python` = 1."""
+    import re
+    m = re.search(r"--nproc_per_node=(\d+)", path.read_text())
+    return int(m.group(1)) if m else 1
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_config_parses_and_validates_offline(path, monkeypatch):
+    """parse_config + validate (train_sft's for sft_*), no model loaded, and no network: a hub name such as
+    Qwen/Qwen2.5-1.5B-Instruct must pass validation on a machine that cannot reach the hub."""
+    import socket
+    import train_grpo
+    import train_sft
+
+    def no_network(*a, **k):
+        raise AssertionError(f"{path.name}: validation tried to open a network connection")
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.chdir(ROOT)  # configs and launch lines use paths relative to the repo root
+    trainer = train_sft if path.name.startswith("sft_") else train_grpo
+    cfg = trainer.parse_config([str(path.relative_to(ROOT))])
+    trainer.validate(cfg, intended_world_size(path))
+    if trainer is train_grpo and path.name.startswith("gsm8k_") and path.name != "gsm8k_1gpu.py":
+        assert intended_world_size(path) == 8 and cfg.data.name == "gsm8k"  # built on configs/gsm8k.py
+
+
+def test_every_loss_has_a_gsm8k_recipe():
+    """configs/gsm8k_<loss>.py exists for each losses.LOSSES key, names its spec section, and selects that loss."""
+    import losses
+    import train_grpo
+    for name in losses.LOSSES:
+        path = ROOT / "configs" / f"gsm8k_{name}.py"
+        assert path.exists(), f"missing recipe {path.name}"
+        text = path.read_text()
+        assert "specs/losses.md section" in text and len(text.splitlines()) < 40, path.name
+        cfg = train_grpo.parse_config([str(path)])
+        assert cfg.loss.name == name and cfg.model.path == "Qwen/Qwen2.5-1.5B-Instruct", path.name
+        assert cfg.log.run == f"gsm8k_{name}", path.name
+
+
+def test_a_wrong_world_size_fails_validation():
+    """The check above can fail: the 8-GPU recipe needs more ranks than its 2 generator ranks."""
+    import train_grpo
+    cfg = train_grpo.parse_config([str(ROOT / "configs" / "gsm8k_dapo.py")])
+    with pytest.raises(config.ConfigError):
+        train_grpo.validate(cfg, 2)
