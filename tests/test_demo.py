@@ -1,0 +1,63 @@
+"""End to end: a shortened `make demo` (scripts/demo.py) really trains, in the right direction.
+
+The real commands in subprocesses (train_sft.py, then train_grpo.py under torchrun with a vLLM generator rank),
+made short enough for the test budget: single-digit problems, which a from-scratch model starts answering
+after a few hundred SFT steps, so GRPO sees nonzero reward (and groups with signal) from its first batch.
+Fixed seed; measured on 2 cores (79 s for the whole test): SFT loss 5.99 -> 0.14 in 150 steps, 1-digit greedy
+accuracy 0.54; GRPO reward moving average (10 steps) 0.369 over steps 1-10 -> 0.422 over steps 31-40, with a dip
+to 0.334 in between (batch rewards are noisy: 128 samples). At lr 1e-3 the same run collapsed to reward ~0 within
+five steps, so the test keeps the demo's lr 3e-4.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+SFT_STEPS, GRPO_STEPS = 150, 40
+SHORT = [
+    # SFT: single-digit problems only, a fixed step count (no accuracy stop), eval only at start and end
+    "--sft.data.min_digits=1", "--sft.data.max_digits=1", "--sft.data.eval_min_digits=1",
+    "--sft.data.eval_max_digits=1", f"--sft.train.steps={SFT_STEPS}", "--sft.optim.schedule=constant",
+    "--sft.eval.every=0", "--sft.eval.stop_at_accuracy=0", "--sft.eval.num_problems=50",
+    # GRPO: the same single-digit task, a smaller batch, a short held-out eval
+    "--grpo.data.min_digits=1", "--grpo.data.max_digits=1", f"--grpo.train.steps={GRPO_STEPS}",
+    "--grpo.rollout.prompts_per_step=16", "--grpo.rollout.max_tokens=24", "--grpo.rollout.kv_cache_mb=32",
+    "--grpo.eval.num_problems=64", "--grpo.eval.every=0", "--grpo.dist.timeout_s=120",
+]
+
+
+def moving_average(xs, k):
+    return [sum(xs[i:i + k]) / k for i in range(len(xs) - k + 1)]
+
+
+def test_short_demo_learns(tmp_path):
+    res = subprocess.run([sys.executable, "scripts/demo.py", f"--out_dir={tmp_path}", "--seed=0", *SHORT],
+                         cwd=ROOT, capture_output=True, text=True, timeout=420)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = tmp_path / "demo"
+    summary = json.loads((out / "summary.json").read_text())
+    for k in ("sft_accuracy", "grpo_accuracy", "sft_seconds", "grpo_seconds", "num_eval_problems"):
+        assert k in summary, k
+    assert summary["num_eval_problems"] == 64 and summary["grpo_steps"] == GRPO_STEPS
+    assert "held-out" in res.stdout and "summary.json" in res.stdout  # the closing table was printed
+    for p in ("demo.png", "sft/curves.png", "grpo/curves.png", "sft/hf/config.json", "grpo/hf/config.json"):
+        assert (out / p).exists(), p
+
+    # SFT: the training loss falls a long way from its random-init start (measured 5.99 -> 0.14)
+    sft = [json.loads(line) for line in open(out / "sft" / "metrics.jsonl")]
+    loss = [r["sft/loss"] for r in sft if "sft/loss" in r]
+    assert len(loss) == SFT_STEPS
+    assert sum(loss[-10:]) / 10 < 0.3 * sum(loss[:10]) / 10, (loss[:10], loss[-10:])
+
+    # GRPO: the reward on the training batches rises over the run (moving average over 10 steps)
+    grpo = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
+    reward = [r["rollout/reward_mean"] for r in grpo if "perf/step_s" in r]
+    assert len(reward) == GRPO_STEPS
+    ma = moving_average(reward, 10)
+    assert ma[0] > 0.02, ma  # the start model answers some problems: there is signal to learn from
+    assert ma[-1] > ma[0] + 0.03, ma  # measured +0.053
