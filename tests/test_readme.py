@@ -70,3 +70,20 @@ def test_readme_new_reward_through_safe_call():
     assert rewards.safe_call(reward, "q", "one two three", "3")[0] == 1.0
     assert rewards.safe_call(reward, "q", "a b c d e f", "3")[0] == pytest.approx(0.5)
     assert rewards.safe_call(reward, "q", " ".join("x" * 20), "3")[0] == 0.0
+
+
+def test_readme_cpu_blocks_run(tmp_path):
+    """Every ```bash block preceded by `<!-- cpu-test -->` runs as written (outputs under a temp dir)."""
+    import json
+    import os
+    import subprocess
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"<!-- cpu-test -->\s*```bash\n(.*?)```", text, re.S)
+    assert blocks, "README.md has no <!-- cpu-test --> block"
+    env = {**os.environ, "NF_OUT": str(tmp_path)}
+    for block in blocks:
+        res = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2]
