@@ -55,6 +55,7 @@ import dist
 import generator
 import losses
 import rewards
+import run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,10 +220,7 @@ def validate(cfg, world_size):
         if not ok:
             section, key = name.split(".")
             raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
-    if cfg.ckpt.resume not in ("", "auto") and not (Path(cfg.ckpt.resume).name.removeprefix("step_").isdigit()
-                                                   and dist.is_complete(cfg.ckpt.resume)):
-        raise err(f"ckpt.resume={cfg.ckpt.resume!r} is not a complete checkpoint (a step_<N> directory with a "
-                  "COMPLETE marker); use 'auto' for the newest complete one")
+    run.check_resume(cfg.ckpt.resume)
     if cfg.loss.name not in losses.LOSSES:
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
     try:
@@ -263,20 +261,6 @@ def loss_kwargs(cfg):
 # ---------------------------------------------------------------------------------------------
 # 2. Models, generators, data
 # ---------------------------------------------------------------------------------------------
-def resolve_model(path, make_tiny):
-    """A local dir as is; the tiny checkpoint made once under a file lock; else a hub download."""
-    if make_tiny:
-        import fcntl
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(str(path) + ".lock", "w") as f:  # every local rank calls this; one creates it
-            fcntl.flock(f, fcntl.LOCK_EX)
-            data.make_tiny_checkpoint(path, seed=0)
-    if Path(path, "config.json").exists():
-        return str(path)
-    from huggingface_hub import snapshot_download  # hub name: only branch that needs network
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-
-
 def build_generator(cfg, path, max_model_len):
     kw = dict(max_model_len=max_model_len, seed=cfg.train.seed)
     if cfg.rollout.backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch
@@ -409,17 +393,6 @@ def no_grad_logp(model, batch, micro, temperature):
                           for i in range(0, len(batch["ids"]), micro)])
 
 
-def lr_lambda(cfg):
-    def f(step):
-        if step < cfg.optim.warmup_steps:
-            return (step + 1) / cfg.optim.warmup_steps
-        if cfg.optim.schedule == "constant":
-            return 1.0
-        t = (step - cfg.optim.warmup_steps) / max(1, cfg.train.steps - cfg.optim.warmup_steps)
-        return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1)))
-    return f
-
-
 def masked_mean(x, mask):
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
@@ -535,46 +508,14 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
             evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
 
 
-def resume_message(ck, step, steps, ckpt_dir):
-    """Say what a resume does, so that it can never silently train zero steps."""
-    if ck is None:
-        return f"ckpt.resume=auto: no complete checkpoint in {ckpt_dir}, starting from step 0"
-    if step >= steps:
-        return (f"resume: {ck} is at step {step} and train.steps={steps}: nothing to train "
-                "(raise --train.steps to continue); exporting the checkpoint's policy")
-    return f"resume: {ck}, continuing at step {step + 1} of {steps}"
-
-
-def read_log(path, last_step):
-    """A .jsonl log's rows up to `last_step` (a resume drops rows logged after its checkpoint); a torn last
-    line, from a kill mid-write, is dropped too."""
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row["step"] <= last_step:
-            rows.append(line + "\n")
-    return "".join(rows)
-
-
 def make_rewards(cfg):
     """Named reward callables; "math" (correctness) is also the accuracy metric."""
     fns = {"math": rewards.MathReward()}
     return fns
 
 
-def log_step(row, out, bar, wandb_run):
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if wandb_run:
-        wandb_run.log(row, step=row["step"])
-    if bar is not None:
-        bar.update(1)
-        bar.write(" ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in row.items()
-                           if k in ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl",
-                                    "rollout/response_len", "mismatch/abs_diff", "perf/step_s", "eval/pass@1")))
+SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl", "rollout/response_len",
+         "mismatch/abs_diff", "perf/step_s", "eval/pass@1")  # the per-step line
 
 
 def main(argv=None):
@@ -590,7 +531,7 @@ def main(argv=None):
     B, G, T = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
 
     # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
-    path = resolve_model(cfg.model.path, cfg.model.make_tiny)
+    path = run.resolve_model(cfg.model.path, cfg.model.make_tiny)
     tok = data.Tokenizer(path)
     gen = None
     if roles.is_generator or roles.colocated:
@@ -604,13 +545,7 @@ def main(argv=None):
     reward_fns = make_rewards(cfg)
     pool = rewards.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) if cfg.rollout.reward_workers \
         and roles.is_trainer else None
-    resume = [None, 0]  # (checkpoint dir, step): trainer rank 0 decides, every rank learns
-    if roles.rank == 0 and cfg.ckpt.resume:
-        ck = dist.latest_checkpoint(out / "ckpt") if cfg.ckpt.resume == "auto" else Path(cfg.ckpt.resume)
-        resume = [str(ck), int(ck.name.split("_")[-1])] if ck else [None, 0]
-        print(resume_message(ck, resume[1], cfg.train.steps, out / "ckpt"), flush=True)
-    tdist.broadcast_object_list(resume, src=0)
-    ckpt_path, start = resume
+    ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
     if roles.is_generator:
         generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
         return dist.shutdown()
@@ -627,7 +562,7 @@ def main(argv=None):
         ref.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             weight_decay=cfg.optim.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, run.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio, cfg.train.steps))
     receive = (lambda v: lambda named: gen.update_weights(named, v)) if gen is not None else (lambda v: None)
     skipped_total, skipped_run, num_failed_saves = 0, 0, 0
     if ckpt_path:  # model, optimizer, schedule, counters; data order and sampling seeds derive from the step
@@ -650,7 +585,7 @@ def main(argv=None):
         print("config:", resolved)
         (out / "config.json").write_text(resolved)
         for log in ("metrics.jsonl", "prompts.jsonl"):  # a fresh start empties them
-            (out / log).write_text(read_log(out / log, start) if start else "")
+            (out / log).write_text(run.read_log(out / log, start) if start else "")
         if cfg.log.wandb:
             wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
     from tqdm import tqdm
@@ -658,7 +593,7 @@ def main(argv=None):
     if start == 0:
         ev = evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         if is_log:
-            log_step({"step": 0, **ev}, out, None, wandb_run)
+            run.log_step({"step": 0, **ev}, out, None, wandb_run, SHOWN)
 
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
@@ -748,7 +683,7 @@ def main(argv=None):
         stats = ", ".join(f"{k}={row[k]:.4g}" for k in ("loss/total", "train/grad_norm", "rollout/reward_mean",
                                                          "rollout/response_len") if k in row)
         if is_log:
-            log_step(row, out, bar, wandb_run)
+            run.log_step(row, out, bar, wandb_run, SHOWN)
             with open(out / "prompts.jsonl", "a") as f:
                 f.write(json.dumps({"step": s + 1, "ids": prompt_ids}) + "\n")
             if skipped:
@@ -768,14 +703,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except config.ConfigError as e:  # a clear one-line message, not a traceback
-        sys.exit(f"config error: {e}")
-    except Exception as e:  # a collective failed: name the lost rank(s) after the traceback
-        why = dist.explain_failure(e)
-        if why is None:
-            raise
-        import traceback
-        traceback.print_exc()
-        sys.exit(why)
+    run.run_main(main)

@@ -36,7 +36,6 @@ Launch lines:
     8 GPUs (FSDP2):                torchrun --nproc_per_node=8 train_sft.py configs/sft_gsm8k.py
 """
 import json
-import math
 import os
 import random
 import sys
@@ -53,6 +52,7 @@ import data
 import dist
 import generator
 import rewards
+import run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,10 +169,7 @@ def validate(cfg, world_size):
         if not ok:
             section, key = name.split(".")
             raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
-    if cfg.ckpt.resume not in ("", "auto") and not (Path(cfg.ckpt.resume).name.removeprefix("step_").isdigit()
-                                                   and dist.is_complete(cfg.ckpt.resume)):
-        raise err(f"ckpt.resume={cfg.ckpt.resume!r} is not a complete checkpoint (a step_<N> directory with a "
-                  "COMPLETE marker); use 'auto' for the newest complete one")
+    run.check_resume(cfg.ckpt.resume)
     if not cfg.model.path:
         raise err("model.path is empty: give a checkpoint directory or a hub name")
     looks_local = cfg.model.path.startswith((".", "/")) or os.path.exists(cfg.model.path) \
@@ -184,20 +181,6 @@ def validate(cfg, world_size):
 # ---------------------------------------------------------------------------------------------
 # 2. Models, data, packing
 # ---------------------------------------------------------------------------------------------
-def resolve_model(path, make_tiny):
-    """A local dir as is; the tiny checkpoint made once under a file lock; else a hub download."""
-    if make_tiny:
-        import fcntl
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(str(path) + ".lock", "w") as f:  # every local rank calls this; one creates it
-            fcntl.flock(f, fcntl.LOCK_EX)
-            data.make_tiny_checkpoint(path, seed=0)
-    if Path(path, "config.json").exists():
-        return str(path)
-    from huggingface_hub import snapshot_download  # hub name: only branch that needs network
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-
-
 def load_tasks(cfg):
     """(train problems, or None for fresh synthetic ones; held-out problems; questions training must skip).
     arith: the held-out set is a dev set (seed 20_000 + seed) that the accuracy stop looks at; training also
@@ -282,19 +265,6 @@ def nll_sum(model, batch, rows, device):
     return -(logp * b["mask"]).sum()
 
 
-def lr_lambda(cfg):
-    horizon = cfg.optim.schedule_steps or cfg.train.steps
-
-    def f(step):
-        if step < cfg.optim.warmup_steps:
-            return (step + 1) / cfg.optim.warmup_steps
-        if cfg.optim.schedule == "constant":
-            return 1.0
-        t = (step - cfg.optim.warmup_steps) / max(1, horizon - cfg.optim.warmup_steps)
-        return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1)))
-    return f
-
-
 def evaluate(model, gen, dev_batch, held_out, cfg, device):
     """Held-out token-mean loss and greedy pass@1. Every rank runs the same forwards (see the docstring)."""
     t0 = time.perf_counter()
@@ -315,15 +285,7 @@ def eval_due(step, cfg):
     return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
 
 
-def log_step(row, out, bar, wandb_run):
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if wandb_run:
-        wandb_run.log(row, step=row["step"])
-    if bar is not None:
-        bar.update(1)
-        bar.write(" ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in row.items()
-                           if k in ("step", "sft/loss", "sft/eval_loss", "eval/pass@1", "perf/step_s")))
+SHOWN = ("step", "sft/loss", "sft/eval_loss", "eval/pass@1", "perf/step_s")  # the per-step line
 
 
 def main(argv=None):
@@ -338,7 +300,7 @@ def main(argv=None):
     out = Path(cfg.log.out_dir, cfg.log.run)
 
     # ---- 2. dist init and data -------------------------------------------------------------------
-    path = resolve_model(cfg.model.path, cfg.model.make_tiny)
+    path = run.resolve_model(cfg.model.path, cfg.model.make_tiny)
     tok = data.Tokenizer(path)
     dist.init_distributed(roles, cfg.dist.timeout_s)
     mesh = dist.trainer_mesh(roles, roles.world_size // cfg.dist.tp, cfg.dist.tp)
@@ -347,16 +309,7 @@ def main(argv=None):
         p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
     dev_docs, _ = to_docs(tok, held_out, cfg.data.instruction, cfg.data.max_seq_tokens)
     dev_batch = pack(dev_docs, cfg.data.pack_len, tok.pad_token_id)
-    resume = [None, 0]  # (checkpoint dir, step): rank 0 decides, every rank learns
-    if roles.rank == 0 and cfg.ckpt.resume:
-        ck = dist.latest_checkpoint(out / "ckpt") if cfg.ckpt.resume == "auto" else Path(cfg.ckpt.resume)
-        resume = [str(ck), int(ck.name.split("_")[-1])] if ck else [None, 0]
-        print(f"ckpt.resume=auto: no complete checkpoint in {out / 'ckpt'}, starting from step 0" if ck is None else
-              f"resume: {ck} is at step {resume[1]} and train.steps={cfg.train.steps}: nothing to train (raise "
-              "--train.steps to continue); exporting the checkpoint's model" if resume[1] >= cfg.train.steps else
-              f"resume: {ck}, continuing at step {resume[1] + 1} of {cfg.train.steps}", flush=True)
-    tdist.broadcast_object_list(resume, src=0)
-    ckpt_path, start = resume
+    ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
 
     # ---- 3. model and optimizer ------------------------------------------------------------------
     from model import Transformer
@@ -365,7 +318,8 @@ def main(argv=None):
                              activation_checkpointing=cfg.dist.activation_checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             weight_decay=cfg.optim.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, run.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio,
+                                                           cfg.optim.schedule_steps or cfg.train.steps))
     skipped_total, skipped_run, num_failed_saves, N = 0, 0, 0, cfg.train.batch_size
     if ckpt_path:  # model, optimizer, schedule, counters; the data order derives from the step
         extra = dist.load_checkpoint(ckpt_path, model, opt)
@@ -386,10 +340,8 @@ def main(argv=None):
         resolved = json.dumps(config.to_dict(vars(cfg)))
         print("config:", resolved)
         (out / "config.json").write_text(resolved)
-        metrics = out / "metrics.jsonl"
-        kept = [r for r in metrics.read_text().splitlines() if r.endswith("}") and json.loads(r)["step"] <= start] \
-            if start and metrics.exists() else []  # a resume drops rows logged after its checkpoint (and a torn line)
-        metrics.write_text("".join(r + "\n" for r in kept))
+        # a fresh start empties the log; a resume keeps the rows up to its checkpoint
+        (out / "metrics.jsonl").write_text(run.read_log(out / "metrics.jsonl", start) if start else "")
         if cfg.log.wandb:
             wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
     from tqdm import tqdm
@@ -397,7 +349,7 @@ def main(argv=None):
     if start == 0:
         ev = evaluate(model, gen, dev_batch, held_out, cfg, roles.device)
         if is_log:
-            log_step({"step": 0, **ev}, out, None, wandb_run)
+            run.log_step({"step": 0, **ev}, out, None, wandb_run, SHOWN)
 
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
@@ -457,7 +409,7 @@ def main(argv=None):
         row["step"] = s + 1
         stats = f"sft/loss={row['sft/loss']:.4g}, train/grad_norm={row['train/grad_norm']:.4g}"
         if is_log:
-            log_step(row, out, bar, wandb_run)
+            run.log_step(row, out, bar, wandb_run, SHOWN)
             if not torch.isfinite(gnorm):
                 bar.write(f"step {s + 1}: non-finite loss or grad norm, optimizer step skipped ({stats})")
             if (s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps or stop:
@@ -480,14 +432,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except config.ConfigError as e:  # a clear one-line message, not a traceback
-        sys.exit(f"config error: {e}")
-    except Exception as e:  # a collective failed: name the lost rank(s) after the traceback
-        why = dist.explain_failure(e)
-        if why is None:
-            raise
-        import traceback
-        traceback.print_exc()
-        sys.exit(why)
+    run.run_main(main)
