@@ -63,6 +63,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 _TIMEOUT = timedelta(minutes=10)  # set by init_distributed; every group we create uses it
 _TRAINER_GROUP = None             # the trainer ranks (checkpoints); set by trainer_mesh
 _SYNC_PLANS = {}                  # sync group -> bucket plan, so metadata crosses the wire once
+_SEND_BUFS = {}                   # (group, bucket size, device) -> two reused send buffers
 
 
 @dataclass
@@ -199,7 +200,9 @@ def _full_params(model):
     named_parameters() yields a tied lm_head once, as model.embed_tokens.weight."""
     for name, p in model.named_parameters():
         p = p.detach()
-        yield name, p.full_tensor() if isinstance(p, DTensor) else p
+        if isinstance(p, DTensor):  # on a 1-rank mesh the local shard is whole: skip full_tensor()'s copy
+            p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
+        yield name, p
 
 
 def _bucket_plan(model, bucket_bytes):
@@ -218,15 +221,25 @@ def _bucket_plan(model, bucket_bytes):
 
 
 def _send_buckets(model, plan, group, src, device):
-    params = _full_params(model)
-    for size, entries in plan:
-        buf = torch.empty(size, dtype=torch.uint8, device=device)
+    """Two reused buffers: bucket i+1 is packed while bucket i is still on the wire (async broadcast)."""
+    params, cap = _full_params(model), max(size for size, _ in plan)
+    key = (id(group), cap, str(device))
+    if key not in _SEND_BUFS:
+        _SEND_BUFS[key] = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(2)]
+    bufs, work = _SEND_BUFS[key], [None, None]
+    for i, (size, entries) in enumerate(plan):
+        if work[i % 2] is not None:
+            work[i % 2].wait()  # that buffer's previous bucket has left
+        buf = bufs[i % 2][:size]
         for name, shape, dtype, off in entries:
             pname, t = next(params)
             if pname != name or tuple(t.shape) != shape or t.dtype != dtype:
                 raise RuntimeError(f"model changed since the first sync: {pname} vs cached {name}")
             buf[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-        dist.broadcast(buf, src=src, group=group)
+        work[i % 2] = dist.broadcast(buf, src=src, group=group, async_op=True)
+    for w in work:
+        if w is not None:
+            w.wait()
 
 
 def _recv_buckets(plan, group, src, device):
