@@ -12,7 +12,7 @@ time against max(gen, train) of the same run:
 In the staleness-1 run the trainer's perf/sync_s includes waiting for the generator to finish batch s+1 (the
 broadcast starts when both sides arrive), so only the step time and the two busy times are compared.
 
-    flock /tmp/nanoforge-heavy.lock .venv/bin/python bench/async.py                    # bench/results/async.json
+    .venv/bin/python bench/async.py                    # bench/results/async.json
     .venv/bin/python bench/async.py --steps 2 --warmup 1 -- --rollout.prompts_per_step=4  # smoke run
 """
 import argparse

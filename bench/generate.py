@@ -6,7 +6,7 @@ warm-up call (vLLM's first generate pays a one-off 8-17 s), then the best of --r
 The torch generator runs first, before vLLM starts: vLLM's CPU worker pins threads and turns
 torch.set_num_threads into a no-op for the whole process, which would skew the torch numbers.
 
-    flock /tmp/nanoforge-heavy.lock .venv/bin/python bench/generate.py            # writes bench/results/generate.json
+    .venv/bin/python bench/generate.py            # writes bench/results/generate.json
     .venv/bin/python bench/generate.py --prompts 8 --n 2 --tokens 16 --repeats 1  # smoke run
 
 Generated tokens per second = sum of completion lengths / wall seconds of one generate() call.

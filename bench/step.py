@@ -16,8 +16,8 @@ vLLM engine runs in-process on the generator rank, so its memory is included). T
 tiny model (data.make_tiny_checkpoint): it answers nothing right, so responses run to max_tokens and rewards are 0;
 that makes every step the same length, which is what a timing benchmark wants.
 
-    flock /tmp/nanoforge-heavy.lock .venv/bin/python bench/step.py                     # bench/results/step.json
-    flock /tmp/nanoforge-heavy.lock .venv/bin/python bench/step.py --profile           # + cProfile of the trainer
+    .venv/bin/python bench/step.py                     # bench/results/step.json
+    .venv/bin/python bench/step.py --profile           # + cProfile of the trainer
     .venv/bin/python bench/step.py --steps 2 --warmup 1 -- --rollout.prompts_per_step=4   # smoke run
 
 Arguments after `--` go to train_grpo.py as overrides (e.g. `-- --rollout.backend=torch`).

@@ -17,7 +17,7 @@ plan), both ranks timed from a barrier to a barrier. Ratio = real / raw, target 
 checkpoint (3.5 MB) and a random Qwen2.5-0.5B-shaped model (494M params, 1.98 GB in fp32, the dtype the trainer
 keeps its master weights in).
 
-    flock /tmp/nanoforge-heavy.lock .venv/bin/python bench/sync.py            # writes bench/results/sync.json
+    .venv/bin/python bench/sync.py            # writes bench/results/sync.json
     .venv/bin/python bench/sync.py --models tiny --buckets 1 4 --repeats 1     # smoke run
 """
 import argparse

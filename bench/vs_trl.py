@@ -25,7 +25,7 @@ TRL lives in its own venv, bench/.venv-trl (created on first use: trl and accele
 torch, transformers 5.19, numpy 2.3.5 - reused from nanoforge's .venv through a .pth file and pinned as
 constraints, so both sides run the same torch and transformers).
 
-    flock /tmp/nanoforge-heavy.lock .venv/bin/python bench/vs_trl.py          # writes bench/results/vs_trl.json
+    .venv/bin/python bench/vs_trl.py          # writes bench/results/vs_trl.json
     .venv/bin/python bench/vs_trl.py --sizes tiny --steps 3 --measure-from 2 --prompts 4   # smoke run
 """
 import argparse
