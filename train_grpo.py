@@ -429,8 +429,8 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
                 (loss * len(rows) / len(mb_rows)).backward()
                 m["loss/total"] = loss.detach()
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * len(rows) / n
+                for k, v in m.items():  # tensors: no host sync per micro-batch (one .item() per step, below)
+                    sums[k] = sums.get(k, 0.0) + v.detach() * (len(rows) / n)
             gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
             dist.fault("kill_opt", step)  # test hook: SIGKILL with gradients computed, before the step
             # a NaN/inf loss gives NaN/inf grads, and the norm is global, so every rank skips the same steps
@@ -439,19 +439,20 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
             else:  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
                 skipped += 1
             opt.zero_grad(set_to_none=True)
-            sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + float(gnorm)
+            sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + gnorm.detach()
             num_opt += 1
     sched.step()
-    sums = {k: v / cfg.train.ppo_epochs for k, v in sums.items()}
+    sums = {k: float(v) / cfg.train.ppo_epochs for k, v in sums.items()}
     sums["train/grad_norm"] *= cfg.train.ppo_epochs / num_opt
     return sums, skipped, first_logp
 
 
 def mismatch(train_logp, gen_logp, mask):
     """Train/inference mismatch on the same tokens: mean |dlogp| and k3 KL(gen || train)."""
-    d = (train_logp - gen_logp) * mask
-    return {"mismatch/abs_diff": float(masked_mean(d.abs(), mask)),
-            "mismatch/kl": float(masked_mean(torch.exp(d) - d - 1, mask))}
+    keep = mask.bool()  # padding may hold anything: zero it before exp
+    train_logp, gen_logp = torch.where(keep, train_logp, 0.0), torch.where(keep, gen_logp, 0.0)
+    return {"mismatch/abs_diff": float(masked_mean((train_logp - gen_logp).abs(), mask)),
+            "mismatch/kl": float(masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
 
 
 def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_trainer=True):
