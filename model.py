@@ -24,6 +24,10 @@ Parameter names are exactly the Hugging Face ones, so checkpoints load and save,
 renaming. Batches may be left- or right-padded (attention_mask, positions = cumsum(mask) - 1, so a padded row gives
 the logits of the same sequence alone); positions that restart at 0 without a mask mean packed documents, which
 attend only within themselves. A preallocated KVCache lets the same forward prefill and decode.
+Shared prompts (`forward(..., prefix=(prompt_ids, prompt_mask, rows))`): GRPO scores G completions of every
+prompt, and causal attention makes the prompt's states the same in all G rows, so each distinct prompt is run once
+and every completion row attends to its prompt's keys and values (SharedPrefix). Same logprobs and gradients as
+the padded full batch, with G - 1 of every G prompt tokens no longer computed (about half a GRPO step's tokens).
 `forward(..., targets=...)` returns fp32 per-token log-probs log_softmax(logits / temperature)[target] (and
 optionally the entropy) computed chunk by chunk, so the (B, T, V) fp32 tensor never exists at once, in the forward
 nor (through per-chunk recomputation) in the backward.
@@ -150,6 +154,47 @@ class KVCache:
         self.max_len = max_len
 
 
+def padding_mask(attention_mask, q_start, T):
+    """(B, S) 1 = real key -> (B, 1, T, S) bool for queries at positions q_start..q_start+T-1: causal and real.
+    The diagonal stays on, so a pad query attends to itself instead of nothing (NaN); its output is never used."""
+    dev, S = attention_mask.device, attention_mask.shape[1]
+    q_pos, k_pos = torch.arange(q_start, q_start + T, device=dev), torch.arange(S, device=dev)
+    mask = (k_pos[None, :] <= q_pos[:, None]) & attention_mask.bool()[:, None, :] | (k_pos[None, :] == q_pos[:, None])
+    return mask[:, None]
+
+
+@dataclass
+class SharedPrefix:
+    """How one flat sequence of N = U*Pp + B*T tokens splits: U distinct prompts of Pp tokens (left-padded), then B
+    completion rows of T tokens, row b continuing prompt rows[b]. Passed to the blocks in place of the mask: norms,
+    MLPs and projections act per token on the flat sequence (one call per block, so FSDP2's hooks see one forward),
+    attention is the only place rows meet."""
+    U: int
+    Pp: int
+    B: int
+    T: int
+    rows: torch.Tensor      # (B,) index of each completion row's prompt
+    mask_p: torch.Tensor    # (U, 1, Pp, Pp) causal + prompt padding
+    mask_c: torch.Tensor    # (B, 1, T, Pp + T) a completion row sees its prompt, then itself causally
+
+    def attend(self, q, k, v):
+        """q (1, H, N, D), k and v (1, H_kv, N, D) -> (1, H, N, D)."""
+        n = self.U * self.Pp
+
+        def split(x):  # -> prompts (U, h, Pp, D), completions (B, h, T, D)
+            h, d = x.shape[1], x.shape[3]
+            return (x[0, :, :n].reshape(h, self.U, self.Pp, d).transpose(0, 1),
+                    x[0, :, n:].reshape(h, self.B, self.T, d).transpose(0, 1))
+        (qp, qc), (kp, kc), (vp, vc) = split(q), split(k), split(v)
+        gqa = q.shape[1] != k.shape[1]
+        yp = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.mask_p, enable_gqa=gqa)
+        # the prompt's keys are gathered per row: in backward their gradients sum over the G rows sharing them
+        yc = F.scaled_dot_product_attention(qc, torch.cat([kp[self.rows], kc], 2), torch.cat([vp[self.rows], vc], 2),
+                                            attn_mask=self.mask_c, enable_gqa=gqa)
+        H, D = q.shape[1], q.shape[3]
+        return torch.cat([yp.transpose(0, 1).reshape(H, n, D), yc.transpose(0, 1).reshape(H, -1, D)], 1)[None]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -177,8 +222,11 @@ class Attention(nn.Module):
             kv_cache.v[self.layer_idx, :, :, cache_pos:cache_pos + T] = v
             k = kv_cache.k[self.layer_idx, :, :, :cache_pos + T]
             v = kv_cache.v[self.layer_idx, :, :, :cache_pos + T]
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=q.shape[1] != k.shape[1])
+        if isinstance(mask, SharedPrefix):
+            y = mask.attend(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -251,39 +299,55 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, *, targets=None, temperature=1.0,
-                return_entropy=False, kv_cache=None, cache_pos=0, logits_chunk=1024):
+                return_entropy=False, kv_cache=None, cache_pos=0, logits_chunk=1024, prefix=None):
+        B, T = input_ids.shape
+        if prefix is not None:  # (prompt_ids, prompt_mask, rows): see SharedPrefix; attention_mask is (B, Pp + T)
+            input_ids, position_ids, mask = self._shared_prefix(input_ids, attention_mask, *prefix)
+        else:
+            position_ids, mask = self._positions_and_mask(input_ids, position_ids, attention_mask, kv_cache, cache_pos)
+        freqs = position_ids[:, None, :, None].float() * rope_inv_freq(self.cfg, input_ids.device)  # (B, 1, T, D/2)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = freqs.cos().repeat(1, 1, 1, 2).to(x.dtype), freqs.sin().repeat(1, 1, 1, 2).to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, kv_cache, cache_pos)
+        if prefix is not None:  # the completion rows; the prompts' last-layer outputs feed no logit
+            x = x[0, mask.U * mask.Pp:].view(B, T, -1)
+        x = self.model.norm(x)
+        if targets is None:
+            return self.lm_head(x)  # (B, T, V) in the model dtype
+        return chunked_logprobs(x, self.lm_head, targets, temperature, return_entropy, logits_chunk)
+
+    def _positions_and_mask(self, input_ids, position_ids, attention_mask, kv_cache, cache_pos):
         B, T = input_ids.shape
         S, dev = cache_pos + T, input_ids.device
-        packed = position_ids is not None and attention_mask is None and kv_cache is None and T > 1
         if attention_mask is not None and attention_mask.shape != (B, S):
             raise ValueError(f"attention_mask must be (B, cache_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
+        packed = position_ids is not None and attention_mask is None and kv_cache is None and T > 1
         if position_ids is None:
             if attention_mask is not None:  # real tokens count from 0 whatever the padding side
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, cache_pos:]
             else:
                 position_ids = torch.arange(cache_pos, S, device=dev).expand(B, T)
-        q_pos, k_pos = torch.arange(cache_pos, S, device=dev), torch.arange(S, device=dev)
-        mask = None  # None -> plain causal (SDPA's fast path)
         if attention_mask is not None or cache_pos > 0:
-            mask = k_pos[None, :] <= q_pos[:, None]  # (T, S)
-            if attention_mask is not None:
-                # the diagonal keeps pad queries from attending to nothing (NaN); their outputs are never used
-                mask = (mask & attention_mask.bool()[:, None, :]) | (k_pos[None, :] == q_pos[:, None])
-            mask = mask.expand(B, T, S)[:, None]  # (B, 1, T, S)
-        elif packed:
-            # packed documents (no padding, positions restart at 0): attend within the same document only
+            if attention_mask is None:
+                attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
+            return position_ids, padding_mask(attention_mask, cache_pos, T)
+        if packed:  # packed documents (no padding, positions restart at 0): attend within the same document only
             doc = (position_ids == 0).cumsum(-1)
-            mask = ((k_pos[None, :] <= q_pos[:, None]) & (doc[:, :, None] == doc[:, None, :]))[:, None]
+            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+            return position_ids, (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+        return position_ids, None  # None -> plain causal (SDPA's fast path)
 
-        freqs = position_ids[:, None, :, None].float() * rope_inv_freq(self.cfg, dev)  # (B, 1, T, D/2)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = freqs.cos().repeat(1, 1, 1, 2).to(x.dtype), freqs.sin().repeat(1, 1, 1, 2).to(x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, kv_cache, cache_pos)
-        x = self.model.norm(x)
-        if targets is None:
-            return self.lm_head(x)  # (B, T, V) in the model dtype
-        return chunked_logprobs(x, self.lm_head, targets, temperature, return_entropy, logits_chunk)
+    @staticmethod
+    def _shared_prefix(ids, attention_mask, prompt_ids, prompt_mask, rows):
+        """-> the flat (1, U*Pp + B*T) ids, their positions, and the SharedPrefix layout."""
+        (B, T), (U, Pp) = ids.shape, prompt_ids.shape
+        if attention_mask is None or attention_mask.shape != (B, Pp + T):
+            raise ValueError(f"prefix needs attention_mask (B, Pp + T) = {(B, Pp + T)}")
+        pos = lambda m: (m.long().cumsum(-1) - 1).clamp(min=0)  # noqa: E731
+        position_ids = torch.cat([pos(prompt_mask).reshape(1, -1), pos(attention_mask)[:, Pp:].reshape(1, -1)], 1)
+        layout = SharedPrefix(U, Pp, B, T, rows, padding_mask(prompt_mask, 0, Pp), padding_mask(attention_mask, Pp, T))
+        return torch.cat([prompt_ids.reshape(1, -1), ids.reshape(1, -1)], 1), position_ids, layout
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "Transformer":

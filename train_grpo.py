@@ -29,8 +29,9 @@ Deliberate departures from the papers:
 - REINFORCE++ whitening uses each data-parallel rank's local batch, not the global one.
 
 Launch lines:
-    CPU, 1 trainer + 1 vLLM rank:  torchrun --nproc_per_node=2 train_grpo.py configs/tiny.py
-    CPU, colocated, one process:   python train_grpo.py configs/tiny.py --dist.generator_ranks=0
+    CPU, one process (default):    python train_grpo.py configs/tiny.py       (colocated torch generator)
+    CPU, 1 trainer + 1 vLLM rank:  torchrun --nproc_per_node=2 train_grpo.py configs/tiny.py \
+                                       --dist.generator_ranks=1 --rollout.backend=vllm
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
@@ -89,7 +90,7 @@ class Rollout:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 40            # response budget; also DAPO's L_max and Dr.GRPO's C
-    backend: str = "vllm"           # vllm | torch (the pure-torch generator over model.py)
+    backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: vllm on GPU, torch on CPU
     kv_cache_mb: int = 128          # vLLM KV cache per engine, set explicitly (not a RAM fraction)
     max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal
@@ -185,7 +186,7 @@ def validate(cfg, world_size):
             ("rollout.top_p", 0 < c.rollout.top_p <= 1, "in (0, 1]"),
             ("rollout.top_k", c.rollout.top_k == -1 or c.rollout.top_k >= 1, "-1 (off) or >= 1"),
             ("rollout.max_tokens", c.rollout.max_tokens >= 1, ">= 1"),
-            ("rollout.backend", c.rollout.backend in ("vllm", "torch"), "vllm or torch"),
+            ("rollout.backend", c.rollout.backend in ("vllm", "torch", "auto"), "vllm, torch or auto"),
             ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 1, ">= 1"),
             ("rollout.max_staleness", c.rollout.max_staleness >= 0, ">= 0"),
             ("rollout.overlong_cache", 0 <= c.rollout.overlong_cache < c.rollout.max_tokens,
@@ -262,11 +263,12 @@ def loss_kwargs(cfg):
 # 2. Models, generators, data
 # ---------------------------------------------------------------------------------------------
 def build_generator(cfg, path, max_model_len):
-    kw = dict(max_model_len=max_model_len, seed=cfg.train.seed)
-    if cfg.rollout.backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch
+    kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
+    backend = generator.default_backend() if backend == "auto" else backend
+    if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch
         kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
                   max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems))
-    return generator.make_generator(cfg.rollout.backend, path, **kw)
+    return generator.make_generator(backend, path, **kw)
 
 
 def load_tasks(cfg, tok):
@@ -374,17 +376,19 @@ def make_batch(problems, groups, pad_id):
         gen_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
     mask = attn[:, P:].float()  # (B*G, R): 1 on response tokens
     version = torch.tensor([float(c.generator_version) for _, c in seqs])
-    return dict(ids=ids, attn=attn, mask=mask, gen_logp=gen_logp, P=P, version=version)
+    prompt = torch.tensor([i for i, comps in enumerate(groups) for _ in comps])  # row -> its prompt
+    return dict(ids=ids, attn=attn, mask=mask, gen_logp=gen_logp, P=P, version=version, prompt=prompt)
 
 
 def response_logp(model, batch, rows, temperature, entropy=False):
-    """Policy logprobs (and entropy) of the response tokens of `rows`: (b, R) in fp32."""
+    """Policy logprobs (and entropy) of the response tokens of `rows`: (b, R) in fp32. The rows' distinct prompts
+    go through the model once each (model.SharedPrefix): the inputs are each row from its last prompt token on."""
     ids, attn, P = batch["ids"][rows], batch["attn"][rows], batch["P"]
-    out = model(ids[:, :-1], attention_mask=attn[:, :-1], targets=ids[:, 1:], temperature=temperature,
-                return_entropy=entropy)
-    if entropy:
-        return out[0][:, P - 1:], out[1][:, P - 1:]
-    return out[:, P - 1:]
+    uniq, inv = torch.unique(batch["prompt"][rows], return_inverse=True)
+    first = torch.zeros_like(uniq).scatter_(0, inv, torch.arange(len(inv), device=inv.device))  # a row per prompt
+    prefix = (ids[first, :P - 1], attn[first, :P - 1], inv) if P > 1 else None
+    return model(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:], temperature=temperature,
+                 return_entropy=entropy, prefix=prefix)
 
 
 def no_grad_logp(model, batch, micro, temperature):
@@ -620,6 +624,7 @@ def main(argv=None):
         # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
         adv = advantages(r, cfg, lengths)
         batch = make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
+        batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})  # the model's inputs
         if cfg.rollout.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         adv = adv.reshape(-1)  # (B/dp*G,)

@@ -228,6 +228,43 @@ def test_logprobs_entropy_and_grads_match_naive(temperature):
                            logp.detach())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_shared_prefix_equals_full_batch_logprobs_and_grads(family):
+    """GRPO rows = (prompt, completion): 3 prompts of different lengths (left-padded), a group of 3, 1 and 2 rows,
+    completions of different lengths (right-padded). The shared-prefix forward must give the padded full batch's
+    logprobs, entropies and parameter gradients."""
+    m = our_model(family, kv_heads=2, layers=3)
+    prompts = [rand_ids(1, n, seed=10 + i)[0] for i, n in enumerate([9, 4, 6])]
+    rows = torch.tensor([0, 0, 0, 1, 2, 2])
+    comps = [rand_ids(1, n, seed=20 + b)[0] for b, n in enumerate([5, 7, 2, 7, 1, 6])]
+    P, R = 9, 7
+    ids, attn = torch.zeros(6, P + R, dtype=torch.long), torch.zeros(6, P + R, dtype=torch.long)
+    for b, (u, c) in enumerate(zip(rows.tolist(), comps)):
+        ids[b, P - len(prompts[u]):P], ids[b, P:P + len(c)] = prompts[u], c
+        attn[b, P - len(prompts[u]):P + len(c)] = 1
+    resp = attn[:, P:].float()
+    first = [rows.tolist().index(u) for u in range(3)]  # a row of each prompt holds its tokens
+
+    def loss_and_grads(logp, ent):
+        (-(logp * resp).sum() + 0.3 * (ent * resp).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad()
+        return logp.detach(), ent.detach(), grads
+    # full batch: the response logprobs are the outputs at columns P-1 .. P+R-2
+    full = m(ids[:, :-1], attention_mask=attn[:, :-1], targets=ids[:, 1:], return_entropy=True)
+    ref = loss_and_grads(full[0][:, P - 1:], full[1][:, P - 1:])
+    # shared: each prompt once (all but its last token), every row from its last prompt token on
+    out = m(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:], return_entropy=True,
+            prefix=(ids[first, :P - 1], attn[first, :P - 1], rows))
+    got = loss_and_grads(*out)
+    mask = resp.bool()
+    assert (got[0] - ref[0])[mask].abs().max() < 1e-5 and (got[1] - ref[1])[mask].abs().max() < 1e-5
+    for n in ref[2]:
+        assert torch.allclose(got[2][n], ref[2][n], atol=1e-5, rtol=1e-4), n
+    with pytest.raises(ValueError, match="prefix needs attention_mask"):
+        m(ids[:, P - 1:-1], attention_mask=attn[:, 1:-1], prefix=(ids[first, :P - 1], attn[first, :P - 1], rows))
+
+
 def _peak_bytes(T, Vbig, chunk, D=32):
     """Peak of live torch CPU allocations (from the profiler's allocation events) over forward + backward."""
     from torch.profiler import ProfilerActivity, profile
@@ -295,3 +332,26 @@ def test_vllm_prompt_logprobs_match(vllm_ckpt):
         err = max(err, (ours - theirs).abs().max().item())
     print(f"vLLM {m.cfg.model_type} prompt logprobs max|d| = {err:.2e}")
     assert err <= 1e-4
+
+
+def test_grpo_response_logp_equals_each_sequence_alone():
+    """train_grpo.response_logp (padded batch, shared prompts, any subset of rows) against the oracle: each
+    prompt + completion run alone, unpadded, through a plain forward."""
+    import train_grpo
+    from generator import Completion
+    m = our_model("qwen2", kv_heads=1, layers=2)
+    prompts = [rand_ids(1, n, seed=30 + i)[0].tolist() for i, n in enumerate([6, 3, 8])]
+    lens = [[4, 1], [6, 6], [2, 5]]
+    groups = [[Completion(p, rand_ids(1, n, seed=40 + 2 * i + j)[0].tolist(), "", [0.0] * n, "length", 0)
+               for j, n in enumerate(ns)] for i, (p, ns) in enumerate(zip(prompts, lens))]
+    batch = train_grpo.make_batch([{"prompt_ids": p} for p in prompts], groups, pad_id=0)
+    for rows in (torch.arange(6), torch.tensor([5, 0, 2, 3])):  # whole batch; a shuffled minibatch
+        with torch.no_grad():
+            logp, ent = train_grpo.response_logp(m, batch, rows, temperature=0.7, entropy=True)
+        for k, r in enumerate(rows.tolist()):
+            c = groups[r // 2][r % 2]
+            seq = torch.tensor(c.prompt_ids + c.token_ids)[None]
+            with torch.no_grad():
+                alone = m(seq[:, :-1], targets=seq[:, 1:], temperature=0.7)[0, len(c.prompt_ids) - 1:]
+            assert (logp[k, :len(c.token_ids)] - alone).abs().max() < 1e-5, (rows, r)
+            assert torch.isfinite(ent[k]).all()
