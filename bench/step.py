@@ -1,6 +1,6 @@
 """Where a GRPO step's time goes: the real trainer under torchrun, split into its phases.
 
-Runs `train_grpo.py` (default: configs/tiny.py, 1 trainer + 1 vLLM generator rank) for warm-up + N measured steps
+Runs `train_grpo.py` (default: configs/tiny.py as 1 trainer + 1 vLLM generator rank; --nproc 1: one process) for warm-up + N measured steps
 and reads the perf/* figures the trainer logs to metrics.jsonl. Each row is one step as the trainer rank sees it:
 
     step = generation + reward + reference + old-logprob + train + sync + other
@@ -67,10 +67,11 @@ def run_grpo(overrides, steps, out_dir, nproc=2, config="configs/tiny.py", timeo
     out_dir.mkdir(parents=True, exist_ok=True)
     make_tiny = ckpt is None
     ckpt = out_dir / "ckpt" if make_tiny else ckpt
+    # several ranks: the last one runs vLLM (configs/tiny.py's own default is one process, the torch generator)
+    layout = ["--dist.generator_ranks=1", "--rollout.backend=vllm"] if nproc > 1 else []
     args = [config, f"--model.path={ckpt}", f"--model.make_tiny={make_tiny}", f"--train.steps={steps}",
             "--eval.every=0", "--eval.num_problems=8", "--log.run=run", f"--log.out_dir={out_dir}",
-            "--log.plot_every=1000000",
-            *overrides]
+            "--log.plot_every=1000000", *layout, *overrides]
     env = {**os.environ, "NF_BENCH_OUT": str(out_dir), "TQDM_DISABLE": "1"}
     if profile:
         env["NF_BENCH_PROFILE"] = "1"

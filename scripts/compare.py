@@ -49,7 +49,8 @@ import demo  # noqa: E402  (scripts/demo.py: run_phase, read_metrics, moving_ave
 sys.path.insert(0, str(demo.ROOT))
 import losses  # noqa: E402
 
-SHARED = ["--rollout.max_staleness=1", "--eval.every=20"]  # see the docstring: r != 1, so clipping acts
+# 1 trainer + 1 vLLM rank, stale by one batch (see the docstring: r != 1, so clipping acts)
+SHARED = ["--dist.generator_ranks=1", "--rollout.backend=vllm", "--rollout.max_staleness=1", "--eval.every=20"]
 # Per-loss settings on top of the shared ones; a new loss needs a row only if its defaults are not enough.
 KNOBS = {
     "grpo": ['--loss.kwargs={"beta": 0.0, "agg": "token_mean"}'],        # the demo's calibrated setting

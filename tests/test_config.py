@@ -96,9 +96,10 @@ CONFIGS = sorted((ROOT / "configs").glob("*.py"))
 
 
 def intended_world_size(path):
-    """The `--nproc_per_node=N` of the launch line in the config's header comment; plain `python` = 1."""
+    """The `--nproc_per_node=N` of the first launch line in the config's header comment; plain `python` = 1."""
     import re
-    m = re.search(r"--nproc_per_node=(\d+)", path.read_text())
+    launch = next(line for line in path.read_text().splitlines() if re.search(r"train_\w+\.py", line))
+    m = re.search(r"--nproc_per_node=(\d+)", launch)
     return int(m.group(1)) if m else 1
 
 

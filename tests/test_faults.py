@@ -36,7 +36,7 @@ SFT = ["configs/sft_tiny.py", f"--train.steps={SFT_STEPS}", "--train.batch_size=
        "--data.max_digits=1", "--data.eval_min_digits=1", "--data.eval_max_digits=1", "--train.deterministic=true",
        f"--ckpt.every={SFT_CKPT}", "--log.plot_every=1000"]
 GRPO_STEPS = 6
-GRPO = ["configs/tiny.py", "--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.max_tokens=20",
+GRPO = ["configs/tiny.py", "--dist.generator_ranks=1", "--rollout.backend=vllm", "--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.max_tokens=20",
         "--eval.num_problems=16", "--eval.every=0", "--rollout.kv_cache_mb=32", "--dist.timeout_s=60",
         f"--train.steps={GRPO_STEPS}", "--ckpt.every=2", "--train.deterministic=true", "--optim.warmup_steps=2",
         "--optim.schedule=cosine", "--optim.lr=3e-3", "--optim.weight_decay=0.1", "--loss.entropy_coef=0.01",

@@ -87,7 +87,7 @@ def test_readme_cpu_blocks_run(tmp_path):
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2]
-    for run in ("tiny_2ranks", "tiny_colocated"):  # the "Run it" commands, 3 steps each, with an HF export
+    for run in ("tiny", "tiny_2ranks"):  # the "Run it" commands, 3 steps each, with an HF export
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2, 3], run
         assert (tmp_path / run / "hf" / "config.json").exists(), run

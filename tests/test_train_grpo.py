@@ -16,7 +16,7 @@ KEYS = ["rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollou
         "loss/clip_frac", "loss/kl", "loss/entropy", "train/grad_norm", "train/lr", "mismatch/abs_diff",
         "mismatch/kl", "rollout/staleness", "perf/gen_s", "perf/train_s", "perf/sync_s", "perf/step_s",
         "perf/tokens_per_s", "train/skipped_steps", "rewards/math_errors"]
-SMALL = ["--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.max_tokens=24",
+SMALL = ["--dist.generator_ranks=1", "--rollout.backend=vllm", "--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.max_tokens=24",
          "--eval.num_problems=32", "--rollout.kv_cache_mb=32", "--dist.timeout_s=120"]
 
 
