@@ -15,9 +15,9 @@ What is held equal (TRL defaults that differ are pinned, see trl_worker):
     precision       fp32 everywhere (TRL: bf16=False, gradient_checkpointing=False on CPU)
 
 Generation: TRL runs its transformers-generate path (its vLLM colocate mode crashes on CPU at the first weight
-sync); nanoforge runs its CPU default (configs/tiny.py: one trainer rank + one vLLM rank) with max_staleness 0 and
-1, and, as the measured answer to "is vLLM-CPU or the torch generator faster here", the colocated torch generator
-in one process. Runs are one after the other, never concurrent. Reported: median step time over steps 5..N (first
+sync). nanoforge runs its CPU default ("torch": configs/tiny.py, one process, the torch generator colocated), and
+the distributed layout, one trainer rank + one generator rank under torchrun: vLLM with max_staleness 0 ("sync")
+and 1 ("async"), and the torch generator with max_staleness 1 ("async_torch"). Runs are one after the other, never concurrent. Reported: median step time over steps 5..N (first
 steps pay one-off warm-ups), its split into generation and the rest ("train": reward, logprobs, update, sync,
 overhead), peak RSS, and the reward at the last step. step_time_ratio = nanoforge / TRL.
 
@@ -46,10 +46,10 @@ VENV = ROOT / "bench" / ".venv-trl"
 TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0"]
 SHARED_PINS = ["transformers==5.19.0", "numpy==2.3.5", "torch==2.13.0"]  # must match requirements-cpu.txt
 SIZES = {  # data.make_tiny_checkpoint kwargs, and the per-step workload (B prompts x G samples)
-    "tiny": dict(model=dict(), prompts=32, variants=["sync", "async", "torch"]),
+    "tiny": dict(model=dict(), prompts=32, variants=["torch", "sync", "async", "async_torch"]),
     # 4 prompts x 8: every step costs ~10 s of compute on 2 cores already; the torch-vs-vLLM question is the tiny one
     "50m": dict(model=dict(hidden_size=512, num_hidden_layers=14, num_attention_heads=8, num_key_value_heads=8,
-                           head_dim=64, intermediate_size=1536), prompts=4, variants=["sync", "async"]),
+                           head_dim=64, intermediate_size=1536), prompts=4, variants=["torch", "sync", "async", "async_torch"]),
 }
 G, MAX_TOKENS, LR = 8, 40, 3e-4
 
@@ -194,9 +194,9 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--measure-from", type=int, default=5)
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default: per size)")
-    p.add_argument("--variants", nargs="+", default=None, choices=["sync", "async", "torch"],
-                   help="nanoforge runs: sync (vLLM rank), async (vLLM rank, staleness 1), torch (colocated "
-                        "torch generator, one process); default per size")
+    p.add_argument("--variants", nargs="+", default=None, choices=["sync", "async", "async_torch", "torch"],
+                   help="nanoforge runs: torch (the CPU default: one process, colocated torch generator), sync "
+                        "(vLLM rank), async (vLLM rank, staleness 1), async_torch (torch-generator rank, staleness 1)")
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_trl.json"))
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
@@ -209,8 +209,11 @@ def main():
     sys.path.insert(0, str(ROOT))
     import data
     py = ensure_trl_venv()
-    variants = {"sync": (["--rollout.max_staleness=0"], 2), "async": (["--rollout.max_staleness=1"], 2),
-                "torch": (["--dist.generator_ranks=0", "--rollout.backend=torch"], 1)}
+    rank = ["--dist.generator_ranks=1"]  # 1 trainer rank + 1 generator rank under torchrun, one core each
+    variants = {"sync": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=0"], 2),
+                "async": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=1"], 2),
+                "async_torch": ([*rank, "--rollout.backend=torch", "--rollout.max_staleness=1"], 2),
+                "torch": (["--dist.generator_ranks=0", "--rollout.backend=torch"], 1)}  # the CPU default
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for size in a.sizes:
