@@ -1,12 +1,13 @@
 """End to end: a shortened `make demo` (scripts/demo.py) really trains, in the right direction.
 
-The real commands in subprocesses (train_sft.py, then train_grpo.py under torchrun with a vLLM generator rank),
-made short enough for the test budget: single-digit problems, which a from-scratch model starts answering
-after a few hundred SFT steps, so GRPO sees nonzero reward (and groups with signal) from its first batch.
-Fixed seed; measured on 2 cores (79 s for the whole test): SFT loss 5.99 -> 0.14 in 150 steps, 1-digit greedy
-accuracy 0.54; GRPO reward moving average (10 steps) 0.369 over steps 1-10 -> 0.422 over steps 31-40, with a dip
-to 0.334 in between (batch rewards are noisy: 128 samples). At lr 1e-3 the same run collapsed to reward ~0 within
-five steps, so the test keeps the demo's lr 3e-4.
+The real commands in subprocesses (train_sft.py, then train_grpo.py in one process with the colocated torch
+generator, configs/tiny.py's CPU default), made short enough for the test budget: single-digit problems, which a
+from-scratch model starts answering after a few hundred SFT steps, so GRPO sees nonzero reward (and groups with
+signal) from its first batch. Fixed seed; measured on 2 cores (54 s for the whole test): SFT loss 5.99 -> 0.14 in
+150 steps, 1-digit greedy accuracy 0.53; GRPO reward moving average (10 steps) 0.386 over steps 1-10 -> 0.482 over
+steps 31-40, with a dip to 0.312 in between (batch rewards are noisy: 128 samples); held-out 0.53 -> 0.77. With
+the earlier vLLM-rank layout the same test measured 0.369 -> 0.422. At lr 1e-3 the run collapsed to reward ~0
+within five steps, so the test keeps the demo's lr 3e-4.
 """
 import json
 import subprocess
@@ -60,4 +61,4 @@ def test_short_demo_learns(tmp_path):
     assert len(reward) == GRPO_STEPS
     ma = moving_average(reward, 10)
     assert ma[0] > 0.02, ma  # the start model answers some problems: there is signal to learn from
-    assert ma[-1] > ma[0] + 0.03, ma  # measured +0.053
+    assert ma[-1] > ma[0] + 0.03, ma  # measured +0.096
