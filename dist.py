@@ -205,13 +205,13 @@ def _sync_order(model):
     return sorted(model.named_parameters(), key=lambda kv: not kv[0].startswith("model.layers."))
 
 
+@torch.no_grad()  # on a generator: only while it runs. DTensor ops outside autograd cost ~15x less per parameter
 def _full_params(model):
     """(hf_name, full tensor), one at a time, in _sync_order. Collective over the trainer mesh for DTensors."""
     for name, p in _sync_order(model):
-        p = p.detach()
         if isinstance(p, DTensor):  # on a 1-rank mesh the local shard is whole: skip full_tensor()'s copy
             p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
-        yield name, p
+        yield name, p.detach()
 
 
 def _bucket_plan(model, bucket_bytes, direct_bytes):
