@@ -36,6 +36,19 @@ def nll(m, ids):  # ids (B, T): mean next-token NLL over the rows this rank hold
     return -m(ids[:, :-1], targets=ids[:, 1:]).mean()
 
 
+def shared_prompts(ids, P):  # rows 2i and 2i+1 share their first P tokens: a GRPO group of 2
+    ids = ids.clone()
+    ids[1::2, :P] = ids[0::2, :P]
+    return ids
+
+
+def prefix_nll(m, ids, P):  # mean NLL of the tokens after the prompt, each prompt run once (model.SharedPrefix)
+    attn, first = torch.ones_like(ids), torch.arange(0, len(ids), 2)
+    logp = m(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:],
+             prefix=(ids[first, :P - 1], attn[first, :P - 1], torch.arange(len(ids)) // 2))
+    return -logp.mean()
+
+
 def full(t):  # a copy: on a 1-rank mesh full_tensor() returns the live local tensor
     return (t.full_tensor() if isinstance(t, D.DTensor) else t).clone()
 
@@ -74,6 +87,11 @@ def trainers2(roles, out):
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
     torch.optim.SGD(ref.parameters(), lr=0.5).step()  # SGD: Adam's g/|g| amplifies 1e-8 noise in ~0 grads
     ref_after = full_params(ref)
+    # the shared-prompt forward under each mesh, against the plain forward of one unsharded rank
+    P, pids, pref = 6, shared_prompts(ids, 6), make_model(cfg, 0)
+    ref_prefix_loss = -pref(pids[:, :-1], targets=pids[:, 1:])[:, P - 1:].mean()
+    ref_prefix_loss.backward()
+    ref_prefix_grads = {n: p.grad.clone() for n, p in pref.named_parameters()}
     for name, dp, tp, ac in [("fsdp", 2, 1, False), ("tp", 1, 2, False), ("fsdp_ac", 2, 1, True)]:
         mesh = D.trainer_mesh(roles, dp, tp)
         m = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
@@ -85,8 +103,15 @@ def trainers2(roles, out):
         torch.optim.SGD(m.parameters(), lr=0.5).step()
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
+        pm = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
+        prefix_loss = prefix_nll(pm, pids.chunk(dp)[mesh["dp_shard"].get_local_rank()], P)  # pairs stay whole
+        prefix_loss.backward()
+        prefix_loss = prefix_loss.detach().clone()
+        dist.all_reduce(prefix_loss, group=mesh["dp_shard"].get_group())
         res[name] = {"loss": abs(loss.item() / dp - ref_loss.item()), "grad_norm": abs(norm - ref_norm),
                      "grad": max_diff(grads, ref_grads), "param_after_step": max_diff(full_params(m), ref_after),
+                     "prefix_loss": abs(prefix_loss.item() / dp - ref_prefix_loss.item()),
+                     "prefix_grad": max_diff({n: full(p.grad) for n, p in pm.named_parameters()}, ref_prefix_grads),
                      "tied": m.lm_head.weight is m.model.embed_tokens.weight,
                      "names": sorted(n for n, _ in m.named_parameters()) == sorted(ref_after)}
 
