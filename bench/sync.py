@@ -4,13 +4,13 @@ Two ranks under torchrun, gloo on CPU: rank 0 is the trainer (the model sharded 
 train_grpo.py holds it), rank 1 a generator. For each model and bucket size, in the same process group:
 
     raw        one dist.broadcast of a flat uint8 buffer of the same number of bytes (the ceiling)
-    real       dist.broadcast_weights(...): full_tensor() per parameter, pack into buckets, broadcast each bucket,
-               unpack into zero-copy views on the generator; receive=None, so the transport alone
-    real+load  the same, and the generator copies every tensor into a same-shaped model (TorchGenerator's
-               update_weights; vLLM's reload_weights is heavier and is timed inside bench/step.py's sync)
-    fast+load  a candidate for dist.py, written here (fast_broadcast): no one-rank full_tensor() copy, two bucket
-               buffers allocated once and reused, bucket k+1 packed while bucket k is on the wire
     raw bucketed  one broadcast per bucket of preallocated buffers, no packing: the ceiling for a bucket size
+    real       dist.broadcast_weights(...): buckets of whole decoder blocks, tensors >= --direct-kb sent from their own
+               memory, the rest packed; the generator receives into two reused buffers and yields zero-copy views;
+               receive=None, so the transport alone
+    real+load  the same, and the generator copies every tensor into a same-shaped model (TorchGenerator's
+               update_weights; vLLM's reload_weights is heavier and is timed inside bench/step.py's sync); a
+               checksum then confirms the generator holds the trainer's weights
 
 Figures are GB/s = bytes / seconds (median of --repeats, after one untimed warm-up that also ships the bucket
 plan), both ranks timed from a barrier to a barrier. Ratio = real / raw, target >= 0.8. Models: the tiny random
@@ -19,6 +19,7 @@ keeps its master weights in).
 
     .venv/bin/python bench/sync.py            # writes bench/results/sync.json
     .venv/bin/python bench/sync.py --models tiny --buckets 1 4 --repeats 1     # smoke run
+    .venv/bin/python bench/sync.py --models qwen2-0.5b --buckets 64 --direct-kb 64 --out sync_64k.json
 """
 import argparse
 import json
@@ -49,8 +50,8 @@ def make_model(name, tmp):
     model = model.to_empty(device="cpu")
     model.lm_head.weight = model.model.embed_tokens.weight  # to_empty() unties
     with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(0.02)  # values do not matter for bandwidth; touching every page does
+        for i, p in enumerate(model.parameters()):
+            p.fill_(0.02 + 1e-4 * i)  # touches every page; one value per tensor, so the checksum sees a mix-up
     return model
 
 
@@ -67,56 +68,8 @@ def timed(fn, group, repeats):
     return statistics.median(times)
 
 
-def fast_broadcast(model, group, roles, plan, receive=None):
-    """A candidate for dist.broadcast_weights, measured here before it goes there. Three changes:
-    (1) a parameter whose DTensor mesh has one rank is read with to_local() (full_tensor() would copy it through a
-    one-rank all_gather); (2) two bucket buffers are allocated once and reused on every sync (a fresh
-    torch.empty per bucket pays page faults on every byte, every sync); (3) double buffering: bucket k+1 is packed
-    while bucket k is on the wire (async broadcast). The generator side reuses its two buffers too, which is only
-    safe because `receive` here copies each view before the next-but-one bucket arrives."""
-    import torch
-    import torch.distributed as tdist
-    from torch.distributed.tensor import DTensor
-    src = roles.trainer_ranks[0]
-    cap = max(size for size, _ in plan)
-    if _BUFS.get("cap") != cap:
-        _BUFS.update(cap=cap, bufs=[torch.empty(cap, dtype=torch.uint8) for _ in range(2)])
-    bufs = _BUFS["bufs"]
-    if roles.rank == src:
-        params = iter(model.named_parameters())
-        works = [None, None]
-        for k, (size, entries) in enumerate(plan):
-            buf = bufs[k % 2][:size]
-            if works[k % 2] is not None:
-                works[k % 2].wait()  # the broadcast that last used this buffer has finished
-            for name, shape, dtype, off in entries:
-                _, p = next(params)
-                t = p.detach()
-                if isinstance(t, DTensor):
-                    t = t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
-                buf[off:off + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
-            works[k % 2] = tdist.broadcast(buf, src=src, group=group, async_op=True)
-        for w in works:
-            if w is not None:
-                w.wait()
-    else:
-        def views(k):
-            size, entries = plan[k]
-            buf = bufs[k % 2][:size]
-            return ((name, buf[off:off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape))
-                    for name, shape, dtype, off in entries)
-        work = tdist.broadcast(bufs[0][:plan[0][0]], src=src, group=group, async_op=True)
-        for k in range(len(plan)):
-            work.wait()
-            if k + 1 < len(plan):  # post the next receive into the other buffer, then consume this one
-                work = tdist.broadcast(bufs[(k + 1) % 2][:plan[k + 1][0]], src=src, group=group, async_op=True)
-            if receive is not None:
-                receive(views(k))
-
-
-_BUFS = {}
 def _checksum(model_or_dict):
-    """A position-weighted sum, so a tensor unpacked at the wrong offset or under the wrong name changes it."""
+    """A position-weighted sum, so a tensor delivered at the wrong offset or under the wrong name changes it."""
     import torch
     from torch.distributed.tensor import DTensor
     items = model_or_dict.named_parameters() if hasattr(model_or_dict, "named_parameters") else model_or_dict.items()
@@ -134,6 +87,8 @@ def worker(args):
     import torch
     import torch.distributed as tdist
     import dist
+    if args.direct_kb is not None:
+        dist._DIRECT_BYTES = args.direct_kb * 1024  # NOTE: private knob, measured here
     roles = dist.get_roles(1)
     dist.init_distributed(roles, 600)
     mesh = dist.trainer_mesh(roles, 1, 1)
@@ -159,45 +114,39 @@ def worker(args):
 
             raw_buf = torch.empty(nbytes, dtype=torch.uint8)
             raw_buf.fill_(1)
-            row = dict(model=name, bytes=nbytes, params=nbytes // 4, buckets=[])
+            row = dict(model=name, bytes=nbytes, params=nbytes // 4, direct_bytes=dist._DIRECT_BYTES, buckets=[])
             for mb in args.buckets:
                 # the ceiling, re-measured beside every bucket size: the shared machine drifts by +-20%
                 raw_s = timed(lambda: tdist.broadcast(raw_buf, src=0, group=group), group, args.repeats)
                 dist._SYNC_PLANS.clear()  # NOTE: private cache; a new bucket size needs a new plan on both sides
                 real_s = timed(lambda: dist.broadcast_weights(model, group, roles, mb), group, args.repeats)
-                load_s = timed(lambda: dist.broadcast_weights(model, group, roles, mb, receive=load if sink else None),
-                               group, args.repeats)
-                plan = [dist._bucket_plan(model, int(mb * (1 << 20))) if roles.is_trainer else None]
-                tdist.broadcast_object_list(plan, src=0, group=group)
-                plan = plan[0]
-                if sink:  # start from zeros, so the checksum below sees what the fast path delivered
+                if sink:  # start from zeros, so the checksum below sees what the sync delivered
                     for t in sink.values():
                         t.zero_()
-                fast_s = timed(lambda: fast_broadcast(model, group, roles, plan, receive=load if sink else None),
+                load_s = timed(lambda: dist.broadcast_weights(model, group, roles, mb, receive=load if sink else None),
                                group, args.repeats)
-                mine = _checksum(model if roles.is_trainer else sink)  # did the fast path move the right bytes?
+                mine = _checksum(model if roles.is_trainer else sink)
                 sent = [mine if roles.is_trainer else None]
                 tdist.broadcast_object_list(sent, src=0, group=group)
                 if abs(sent[0] - mine) > 1e-6 * max(1.0, abs(sent[0])):
-                    raise RuntimeError(f"fast_broadcast delivered different weights: checksum {mine} vs {sent[0]}")
-                bucket_bufs = [torch.ones(size, dtype=torch.uint8) for size, _ in plan]  # preallocated, no packing
+                    raise RuntimeError(f"broadcast_weights delivered different weights: checksum {mine} vs {sent[0]}")
+                plan = dist._SYNC_PLANS[group]
+                bucket_bufs = [torch.ones(b[0], dtype=torch.uint8) for b in plan]  # preallocated, no packing
                 rawb_s = timed(lambda: [tdist.broadcast(b, src=0, group=group) for b in bucket_bufs], group,
                                args.repeats)
                 del bucket_bufs
+                direct = sum(off >= b[1] for b in plan for *_, off in b[2])
                 row["buckets"].append(dict(
                     raw_s=raw_s, raw_gbps=nbytes / raw_s / 1e9, bucket_mb=mb, num_buckets=len(plan),
+                    num_direct=direct, num_packed=sum(len(b[2]) for b in plan) - direct,
                     real_s=real_s, real_gbps=nbytes / real_s / 1e9,
                     real_over_raw=raw_s / real_s, load_s=load_s, load_gbps=nbytes / load_s / 1e9,
-                    load_over_raw=raw_s / load_s, fast_load_s=fast_s, fast_load_gbps=nbytes / fast_s / 1e9,
-                    fast_load_over_raw=raw_s / fast_s, raw_bucketed_s=rawb_s, raw_bucketed_over_raw=raw_s / rawb_s))
-                _BUFS.clear()
+                    load_over_raw=raw_s / load_s, raw_bucketed_s=rawb_s, raw_bucketed_over_raw=raw_s / rawb_s))
                 if roles.rank == 0:
                     b = row["buckets"][-1]
                     print(f"{name} {mb:5d} MB x{b['num_buckets']:3d}: raw {b['raw_gbps']:.2f} GB/s, "
                           f"real {b['real_gbps']:.2f} ({b['real_over_raw']:.2f}), +load {b['load_gbps']:.2f} "
-                          f"({b['load_over_raw']:.2f}), fast+load {b['fast_load_gbps']:.2f} "
-                          f"({b['fast_load_over_raw']:.2f}), "
-                          f"raw in buckets ({b['raw_bucketed_over_raw']:.2f})", flush=True)
+                          f"({b['load_over_raw']:.2f}), raw in buckets ({b['raw_bucketed_over_raw']:.2f})", flush=True)
             results.append(row)
             del model, sink, raw_buf
     if roles.rank == 0:
@@ -210,6 +159,8 @@ def main():
     p.add_argument("--models", nargs="+", default=["tiny", "qwen2-0.5b"], choices=["tiny", "qwen2-0.5b"])
     p.add_argument("--buckets", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024], help="bucket sizes, MB")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--direct-kb", type=int, default=None,
+                   help="tensors this big are broadcast from their own memory (default: dist.py's threshold)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sync.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -218,19 +169,19 @@ def main():
     tmp_out = Path(args.out).with_suffix(".tmp")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "--worker",
            "--models", *args.models, "--buckets", *map(str, args.buckets), "--repeats", str(args.repeats),
-           "--out", str(tmp_out)]
+           "--out", str(tmp_out)] + (["--direct-kb", str(args.direct_kb)] if args.direct_kb is not None else [])
     res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if res.returncode != 0:
         sys.exit(f"bench/sync.py: torchrun failed (rc={res.returncode})")
     rows = json.loads(tmp_out.read_text())
     tmp_out.unlink()
     print(f"\n{'model':11s} {'bucket MB':>9s} {'buckets':>7s} {'raw GB/s':>8s} {'real GB/s':>9s} {'real/raw':>8s} "
-          f"{'+load/raw':>9s} {'fast+load/raw':>13s} {'raw bucketed/raw':>16s}")
+          f"{'+load/raw':>9s} {'raw bucketed/raw':>16s}")
     for r in rows:
         for b in r["buckets"]:
             print(f"{r['model']:11s} {b['bucket_mb']:9d} {b['num_buckets']:7d} {b['raw_gbps']:8.2f} "
                   f"{b['real_gbps']:9.2f} {b['real_over_raw']:8.2f} {b['load_over_raw']:9.2f} "
-                  f"{b['fast_load_over_raw']:13.2f} {b['raw_bucketed_over_raw']:16.2f}")
+                  f"{b['raw_bucketed_over_raw']:16.2f}")
         best = max(r["buckets"], key=lambda b: b["real_over_raw"])
         r["best"] = dict(bucket_mb=best["bucket_mb"], real_over_raw=best["real_over_raw"])
     result = dict(backend="gloo", world_size=2, repeats=args.repeats, target_real_over_raw=0.8, models=rows,
