@@ -237,7 +237,11 @@ def _bucket_plan(model, bucket_bytes, direct_bytes):
 
 
 def _bufs(group, device, caps):
-    """Two uint8 buffers reused on every sync (a fresh allocation pays a page fault per 4 KiB, every sync)."""
+    """Two uint8 buffers, reused bucket after bucket. On CPU also kept from sync to sync (a fresh allocation pays a
+    page fault per 4 KiB, every sync); on a GPU the caching allocator makes a fresh pair cheap, and the memory (about
+    the embedding plus a bucket: ~5 GB for a 7B model in fp32) goes back to the pool between syncs."""
+    if torch.device(device).type != "cpu":
+        return [torch.empty(c, dtype=torch.uint8, device=device) for c in caps]
     bufs = _SYNC_BUFS.get((id(group), str(device)))
     if bufs is None or [b.numel() for b in bufs] != caps:
         bufs = _SYNC_BUFS[(id(group), str(device))] = [torch.empty(c, dtype=torch.uint8, device=device) for c in caps]
