@@ -12,14 +12,10 @@ One step (B prompts, G samples each; every shape below is per trainer rank unles
 Rank roles (dist.py): with `torchrun --nproc_per_node=N`, the last `dist.generator_ranks` ranks
 each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. With
 `generator_ranks = 0` every trainer rank also hosts a generator (1 GPU, or plain `python` on CPU).
-Generator ranks run `generator_loop`, which walks the same sequence of collectives as the trainer
-(collect batch, sync weights, collect eval), so the two halves never disagree about what comes next.
-
-Every rank derives step s's prompts from (seed, s) alone, so generators need no prompt traffic and
-resuming at step s continues the data order exactly. With `rollout.max_staleness >= 1`, a
-generator produces batch s+1 while the trainers update on batch s (a one-batch pipeline, so the
-weights are at most one version old); the generator's logprobs then serve as old_logp, so the
-PPO ratio is taken against the policy that actually sampled.
+This file is the trainers' side. Prompts, generation, collection, rewards and eval are rollout.py's
+(it explains how generator ranks, which spend the run in `rollout.generator_loop`, stay in step).
+With `rollout.max_staleness >= 1` the generators run one batch ahead; their logprobs then serve as
+old_logp, so the PPO ratio is taken against the policy that actually sampled.
 
 Deliberate departures from the papers:
 - the KL term and loss aggregation follow losses.py's canonical choices (see its docstring);
@@ -53,9 +49,9 @@ import torch.distributed as tdist
 import config
 import data
 import dist
-import generator
 import losses
 import rewards
+import rollout
 import run
 
 
@@ -260,17 +256,8 @@ def loss_kwargs(cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Models, generators, data
+# 2. Data, advantages, the update (prompts, generation, rewards and eval: rollout.py)
 # ---------------------------------------------------------------------------------------------
-def build_generator(cfg, path, max_model_len):
-    kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
-    backend = generator.default_backend() if backend == "auto" else backend
-    if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch
-        kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
-                  max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems))
-    return generator.make_generator(backend, path, **kw)
-
-
 def load_tasks(cfg, tok):
     """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
     too-long prompts dropped or truncated (data.long_prompts), counted."""
@@ -299,53 +286,6 @@ def load_tasks(cfg, tok):
     if not train:
         raise RuntimeError(f"no training prompts left: all are longer than data.max_prompt_tokens={L}")
     return train, held_out, num_long
-
-
-def step_prompts(train, step, batch, seed):
-    """Step s's prompts from (seed, s) alone: epoch e is a fixed permutation of the train set."""
-    per_epoch = len(train) // batch
-    epoch, pos = divmod(step, per_epoch)
-    order = list(range(len(train)))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return [train[i] for i in order[pos * batch:(pos + 1) * batch]]
-
-
-def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, seed):
-    """This producer's share (problems producer::num_producers), tagged with their global index."""
-    mine = list(range(producer, len(problems), num_producers))
-    t0 = time.perf_counter()
-    out = gen.generate([problems[i]["prompt_ids"] for i in mine], n=n, temperature=temperature,
-                       top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
-                       top_k=cfg.rollout.top_k if temperature > 0 else -1,
-                       max_tokens=cfg.rollout.max_tokens, seed=seed)
-    generator.check_completions(out, len(mine), n)  # fewer completions than asked: an error, not a shape crash
-    return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
-
-
-def collect(local, num_problems):
-    """All-gather every producer's share (trainers without a generator send None); order by index."""
-    shares = [None] * tdist.get_world_size()
-    tdist.all_gather_object(shares, local)
-    groups, gen_s = [None] * num_problems, 0.0
-    for share in shares:
-        if share:
-            for i, comps in zip(share["idx"], share["completions"]):
-                groups[i] = comps
-            gen_s = max(gen_s, share["gen_s"])
-    return groups, gen_s
-
-
-def score(groups, problems, reward_fns, cfg, pool=None):
-    """Rewards (B, G) of this rank's groups; the MathReward component doubles as accuracy."""
-    prompts, responses, targets = [], [], []
-    for p, comps in zip(problems, groups):
-        for c in comps:
-            prompts.append(p["question"])
-            responses.append(c.text)
-            targets.append(str(p["target"]))
-    total, stats = rewards.score_batch(reward_fns, None, prompts, responses, targets,
-                                       timeout_s=cfg.rollout.reward_timeout_s, pool=pool)
-    return torch.tensor(total, dtype=torch.float32).view(len(groups), -1), stats
 
 
 def advantages(r, cfg, lengths):
@@ -459,66 +399,6 @@ def mismatch(train_logp, gen_logp, mask):
             "mismatch/kl": float(masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
 
 
-def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_trainer=True):
-    """Greedy pass@1 (and pass@k) on the held-out set; generation shared by all producers."""
-    local = None
-    if gen is not None:
-        local = generate_share(gen, held_out, producer, num_producers, 1, 0.0, cfg, seed=step)
-        if cfg.eval.pass_k:
-            local["k"] = generate_share(gen, held_out, producer, num_producers, cfg.eval.pass_k,
-                                        cfg.rollout.temperature, cfg, seed=step + 1)["completions"]
-    greedy, _ = collect(local, len(held_out))
-    if cfg.eval.pass_k:  # a second collective: generators must take part before they return
-        sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
-    if not is_trainer:
-        return None
-    r, _ = score(greedy, held_out, {"math": reward_fns["math"]}, cfg)
-    out = {"eval/pass@1": float((r >= 1).float().mean())}
-    if cfg.eval.pass_k:
-        rk, _ = score(sampled, held_out, {"math": reward_fns["math"]}, cfg)
-        out[f"eval/pass@{cfg.eval.pass_k}"] = float((rk >= 1).any(dim=1).float().mean())
-    return out
-
-
-def sync_due(step, cfg):  # generators must see fresh weights before every eval
-    return (step + 1) % cfg.dist.sync_interval == 0 or eval_due(step, cfg)
-
-
-def eval_due(step, cfg):
-    return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
-
-
-def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
-    """A dedicated generator rank: the trainer's sequence of collectives, with generation between."""
-    producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
-    B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    def gen_step(s):
-        dist.fault("kill_gen", s)  # test hook: SIGKILL this generator rank as it starts generating step s
-        return generate_share(gen, step_prompts(train, s, B, cfg.train.seed), producer, num_producers, G,
-                              cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
-    receive = lambda version: lambda named: gen.update_weights(named, version)  # noqa: E731
-    if start > 0:  # resumed: take the restored weights before generating anything
-        dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
-    if start == 0:
-        evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0, is_trainer=False)
-    pending = None
-    for s in range(start, cfg.train.steps):
-        local = pending or gen_step(s)
-        collect(local, B)
-        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s
-        pending = gen_step(s + 1) if cfg.rollout.max_staleness and s + 1 < cfg.train.steps else None
-        if sync_due(s, cfg):  # version = optimizer steps taken
-            dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
-        if eval_due(s, cfg):
-            evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
-
-
-def make_rewards(cfg):
-    """Named reward callables; "math" (correctness) is also the accuracy metric."""
-    fns = {"math": rewards.MathReward()}
-    return fns
-
-
 SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl", "rollout/response_len",
          "mismatch/abs_diff", "perf/step_s", "eval/pass@1")  # the per-step line
 
@@ -540,19 +420,19 @@ def main(argv=None):
     tok = data.Tokenizer(path)
     gen = None
     if roles.is_generator or roles.colocated:
-        gen = build_generator(cfg, path, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+        gen = rollout.build_generator(cfg, path, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
         if hasattr(gen, "release_default_group"):
             gen.release_default_group()
     dist.init_distributed(roles, cfg.dist.timeout_s)
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = dist.sync_group(roles)
     train, held_out, num_dropped = load_tasks(cfg, tok)
-    reward_fns = make_rewards(cfg)
+    reward_fns = rollout.make_rewards(cfg)
     pool = rewards.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) if cfg.rollout.reward_workers \
         and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
     if roles.is_generator:
-        generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
+        rollout.generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
@@ -596,7 +476,7 @@ def main(argv=None):
     from tqdm import tqdm
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
     if start == 0:
-        ev = evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
+        ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         if is_log:
             run.log_step({"step": 0, **ev}, out, None, wandb_run, SHOWN)
 
@@ -604,21 +484,22 @@ def main(argv=None):
     for s in range(start, cfg.train.steps):
         t_step = time.perf_counter()
         # 4a. prompts: a pure function of (seed, step), identical on every rank
-        problems = step_prompts(train, s, B, cfg.train.seed)
+        problems = rollout.step_prompts(train, s, B, cfg.train.seed)
         prompt_ids = [p["id"] for p in problems]  # logged to prompts.jsonl: which data each step saw
         # 4b. generate: colocated trainers generate their share; dedicated ones wait for the generators
         local = None
         if gen is not None:
             dist.fault("kill_gen", s)  # test hook: SIGKILL this rank as it starts generating step s
-            local = generate_share(gen, problems, producer, num_producers, G, T, cfg, seed=cfg.train.seed * 100_003 + s)
+            local = rollout.generate_share(gen, problems, producer, num_producers, G, T, cfg,
+                                           seed=cfg.train.seed * 100_003 + s)
         t0 = time.perf_counter()
-        groups, gen_s = collect(local, B)
+        groups, gen_s = rollout.collect(local, B)
         wait_s = time.perf_counter() - t0
         lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
         problems, groups = problems[lo:hi], groups[lo:hi]
         # 4c. rewards (B/dp, G)
         t0 = time.perf_counter()
-        r, rstats = score(groups, problems, reward_fns, cfg, pool)
+        r, rstats = rollout.score(groups, problems, reward_fns, cfg, pool)
         lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
         reward_s = time.perf_counter() - t0
         # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
@@ -653,7 +534,7 @@ def main(argv=None):
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
         t0 = time.perf_counter()
         sync = {}
-        if sync_due(s, cfg):
+        if rollout.sync_due(s, cfg):
             sync = dist.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         sync_s = time.perf_counter() - t0
         # 4h. metrics, averaged over data-parallel ranks
@@ -674,8 +555,8 @@ def main(argv=None):
         vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
         tdist.all_reduce(vec, group=mesh["dp_shard"].get_group())
         row = {k: float(v) / dp for k, v in zip(keys, vec)}
-        if eval_due(s, cfg):
-            row.update(evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
+        if rollout.eval_due(s, cfg):
+            row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
         abort = skipped_run >= cfg.train.max_skipped_steps
         if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0 and not abort:
             state = {"sched": sched.state_dict(), "skipped": (skipped_total, skipped_run),

@@ -15,7 +15,7 @@ Two phases, each the real trainer in its own process, exactly as a user would la
    rank is tested elsewhere). Reward is 1 when the answer line is right, else 0; no worked solutions are shown
    any more.
 
-Both accuracies in the table are measured by the same function (train_grpo.evaluate: greedy pass@1
+Both accuracies in the table are measured by the same function (rollout.evaluate: greedy pass@1
 on the same 500 held-out 2-digit problems): "after SFT" is GRPO's step-0 eval of the SFT export, "after
 GRPO" is its final eval. Eval accuracy swings by a few points between evals, so a smoothed figure (the
 mean of the last three evals) is reported beside the last one.
