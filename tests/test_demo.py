@@ -3,11 +3,12 @@
 The real commands in subprocesses (train_sft.py, then train_grpo.py in one process with the colocated torch
 generator, configs/tiny.py's CPU default), made short enough for the test budget: single-digit problems, which a
 from-scratch model starts answering after a few hundred SFT steps, so GRPO sees nonzero reward (and groups with
-signal) from its first batch. Fixed seed; measured on 2 cores (54 s for the whole test): SFT loss 5.99 -> 0.14 in
-150 steps, 1-digit greedy accuracy 0.53; GRPO reward moving average (10 steps) 0.386 over steps 1-10 -> 0.482 over
-steps 31-40, with a dip to 0.312 in between (batch rewards are noisy: 128 samples); held-out 0.53 -> 0.77. With
-the earlier vLLM-rank layout the same test measured 0.369 -> 0.422. At lr 1e-3 the run collapsed to reward ~0
-within five steps, so the test keeps the demo's lr 3e-4.
+signal) from its first batch. Fixed seed; measured on 2 cores (70 s for the whole test): SFT loss 5.99 -> 0.14 in
+150 steps, 1-digit greedy accuracy 0.53; GRPO batch reward, mean over the first 20 steps 0.350 -> over the last 20
+0.457 (the 10-step moving average is flat for ~40 steps, then climbs to ~0.47). 40 steps were once enough for
+one sampler's random stream (+0.10) and not for another's (+0.02), hence 80 steps and 20-step windows. The 64-problem
+held-out eval moves by +-0.06 from noise alone (0.53 -> 0.45 in the measured run), so it is reported, not asserted.
+At lr 1e-3 the run collapsed to reward ~0 within five steps, so the test keeps the demo's lr 3e-4.
 """
 import json
 import subprocess
@@ -19,7 +20,7 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
-SFT_STEPS, GRPO_STEPS = 150, 40
+SFT_STEPS, GRPO_STEPS = 150, 80
 SHORT = [
     # SFT: single-digit problems only, a fixed step count (no accuracy stop), eval only at start and end
     "--sft.data.min_digits=1", "--sft.data.max_digits=1", "--sft.data.eval_min_digits=1",
@@ -30,10 +31,6 @@ SHORT = [
     "--grpo.rollout.prompts_per_step=16", "--grpo.rollout.max_tokens=24", "--grpo.rollout.kv_cache_mb=32",
     "--grpo.eval.num_problems=64", "--grpo.eval.every=0", "--grpo.dist.timeout_s=120",
 ]
-
-
-def moving_average(xs, k):
-    return [sum(xs[i:i + k]) / k for i in range(len(xs) - k + 1)]
 
 
 def test_short_demo_learns(tmp_path):
@@ -59,6 +56,6 @@ def test_short_demo_learns(tmp_path):
     grpo = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     reward = [r["rollout/reward_mean"] for r in grpo if "perf/step_s" in r]
     assert len(reward) == GRPO_STEPS
-    ma = moving_average(reward, 10)
-    assert ma[0] > 0.02, ma  # the start model answers some problems: there is signal to learn from
-    assert ma[-1] > ma[0] + 0.03, ma  # measured +0.096
+    first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20  # 2560 samples each: standard error ~0.01
+    assert first > 0.02, reward  # the start model answers some problems: there is signal to learn from
+    assert last > first + 0.05, (first, last)  # measured 0.350 -> 0.457
