@@ -32,11 +32,11 @@ Overrides: `--sft.<section>.<field>=v` goes to train_sft.py, `--grpo.<section>.<
 train_grpo.py (tests run a shortened demo this way).
 
 Measured (seed 0, 2 idle CPU cores, torch 2.13 CPU): SFT stopped at step 1275 (dev 0.475 on its 200 problems)
-in 346 s; GRPO at ~0.64 s/step (shared-prompt update, inverse-CDF sampling, one process on both cores) raises
-held-out accuracy 0.386 -> 0.64 at step 300 (evals every 50 steps: 0.29, 0.43, 0.43, 0.53, 0.48, 0.64, so
+in 364 s; GRPO, 300 steps at ~0.65 s/step (shared-prompt update, inverse-CDF sampling, one process on both cores)
+in 212 s, raises held-out accuracy 0.386 -> 0.640 (evals every 50 steps: 0.29, 0.43, 0.43, 0.53, 0.48, 0.64, so
 +0.16 on the mean of the last three). At 250 steps, the previous setting, the same run ends at 0.476 (+0.09): the
-gain grows roughly +0.1 per 100 steps and the evals swing by +-0.05, hence 300. Whole demo ~9.5 minutes, under
-the 10-minute goal (the earlier layout, 1 trainer + 1 vLLM rank, took 1.5 s/step and 12.5 minutes).
+gain grows roughly +0.1 per 100 steps and the evals swing by +-0.05, hence 300. Whole demo 576 s (9.6 minutes),
+under the 10-minute goal; the earlier layout, 1 trainer + 1 vLLM rank, took 1.5 s/step and 12.5 minutes.
 """
 import argparse
 import json
