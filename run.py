@@ -2,15 +2,17 @@
 
 The trainers own the algorithm; this file owns what every run does around it, the same way for both:
 where the starting checkpoint comes from, the learning-rate schedule, what a resume continues from (said
-out loud, so a resume can never silently train zero steps), the `metrics.jsonl` log (one JSON row per
-step, cut back to the checkpoint on resume), and the process exit (a config error is one line; a failed
-collective names the lost rank).
+out loud, so a resume can never silently train zero steps), the periodic checkpoint, the `metrics.jsonl`
+log (one JSON row per step, cut back to the checkpoint on resume), and the process exit (a config error is
+one line; a failed collective names the lost rank).
 """
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as tdist
 
 import config
@@ -81,6 +83,15 @@ def read_log(path, last_step):
         if row["step"] <= last_step:
             rows.append(line + "\n")
     return "".join(rows)
+
+
+def checkpoint_due(cfg, out, step, model, opt, sched, skipped, abort) -> int:
+    """Save every `ckpt.every` steps, with what a resume needs beyond the weights (schedule, skip counters, RNG);
+    not on a step that aborts the run. Returns 1 when a save failed (reported; the run goes on), else 0."""
+    if not cfg.ckpt.every or step % cfg.ckpt.every or abort:
+        return 0
+    state = {"sched": sched.state_dict(), "skipped": skipped, "rng": torch.get_rng_state(), "py_rng": random.getstate()}
+    return int(dist.save_checkpoint(out / "ckpt", step, model, opt, state) is None)
 
 
 def log_step(row, out, bar, wandb_run, shown):

@@ -398,11 +398,7 @@ def main(argv=None):
             stop = bool(cfg.eval.stop_at_accuracy) and s + 1 >= cfg.eval.min_step \
                 and box[0] >= cfg.eval.stop_at_accuracy
         abort = skipped_run >= cfg.train.max_skipped_steps
-        if cfg.ckpt.every and (s + 1) % cfg.ckpt.every == 0 and not abort:
-            state = {"sched": sched.state_dict(), "skipped": (skipped_total, skipped_run),
-                     "rng": torch.get_rng_state(), "py_rng": random.getstate()}
-            if dist.save_checkpoint(out / "ckpt", s + 1, model, opt, state) is None:  # reported; the run goes on
-                num_failed_saves += 1
+        num_failed_saves += run.checkpoint_due(cfg, out, s + 1, model, opt, sched, (skipped_total, skipped_run), abort)
         row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(vec[2]) / max(train_s, 1e-9)
