@@ -273,7 +273,7 @@ class TorchGenerator:
             ids[i, P - len(p):] = torch.tensor(p, device=dev)
             mask[i, P - len(p):P] = 1
         pre = self._lib.KVCache(cfg, B, P, dtype, dev)
-        pos = (mask[:, :P].cumsum(-1) - 1).clamp(min=0)
+        pos = self._lib.mask_positions(mask[:, :P])
         logits = self.model(ids, position_ids=pos, attention_mask=mask[:, :P], kv_cache=pre, cache_pos=0)[:, -1]
 
         # 2) copy prompt KV to the n samples of each prompt: rows are (prompt i, sample j) -> i*n + j.

@@ -154,6 +154,11 @@ class KVCache:
         self.max_len = max_len
 
 
+def mask_positions(attention_mask):
+    """(B, S) 1 = real token -> positions counting real tokens from 0, whatever the padding side."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def padding_mask(attention_mask, q_start, T):
     """(B, S) 1 = real key -> (B, 1, T, S) bool for queries at positions q_start..q_start+T-1: causal and real.
     The diagonal stays on, so a pad query attends to itself instead of nothing (NaN); its output is never used."""
@@ -324,8 +329,8 @@ class Transformer(nn.Module):
             raise ValueError(f"attention_mask must be (B, cache_pos + T) = {(B, S)}, got {tuple(attention_mask.shape)}")
         packed = position_ids is not None and attention_mask is None and kv_cache is None and T > 1
         if position_ids is None:
-            if attention_mask is not None:  # real tokens count from 0 whatever the padding side
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, cache_pos:]
+            if attention_mask is not None:
+                position_ids = mask_positions(attention_mask)[:, cache_pos:]
             else:
                 position_ids = torch.arange(cache_pos, S, device=dev).expand(B, T)
         if attention_mask is not None or cache_pos > 0:
@@ -344,8 +349,8 @@ class Transformer(nn.Module):
         (B, T), (U, Pp) = ids.shape, prompt_ids.shape
         if attention_mask is None or attention_mask.shape != (B, Pp + T):
             raise ValueError(f"prefix needs attention_mask (B, Pp + T) = {(B, Pp + T)}")
-        pos = lambda m: (m.long().cumsum(-1) - 1).clamp(min=0)  # noqa: E731
-        position_ids = torch.cat([pos(prompt_mask).reshape(1, -1), pos(attention_mask)[:, Pp:].reshape(1, -1)], 1)
+        position_ids = torch.cat([mask_positions(prompt_mask).reshape(1, -1),
+                                  mask_positions(attention_mask)[:, Pp:].reshape(1, -1)], 1)
         layout = SharedPrefix(U, Pp, B, T, rows, padding_mask(prompt_mask, 0, Pp), padding_mask(attention_mask, Pp, T))
         return torch.cat([prompt_ids.reshape(1, -1), ids.reshape(1, -1)], 1), position_ids, layout
 
