@@ -1,11 +1,10 @@
 """Configs: dataclass sections with defaults, a Python config file, then `--section.field=value`.
 
-A trainer declares its knobs as small dataclasses at the top of its file (one comment per field)
-and calls `parse(sections, argv)`. A config file is plain Python run with the sections as its
-globals, so `loss.beta = 0.0` assigns onto the dataclass. Typos are errors that name the closest
-valid key (`loss.bta` -> did you mean `loss.beta`?), a value of the wrong type is an error naming
-the field, and a stray top-level variable in a config file is an error too: a silent new variable
-is how a long run trains with the wrong settings. Cross-field checks belong to the trainer.
+A trainer declares its knobs as small dataclasses at the top of its file (one comment per field) and calls
+`parse(sections, argv)`. A config file is plain Python run with the sections as its globals (`loss.beta = 0.0`
+assigns onto the dataclass). A typo names the closest valid key (`loss.bta` -> did you mean `loss.beta`?), a wrong
+type names the field, and a stray top-level variable in a config file is an error too: a silent new variable is how
+a long run trains with the wrong settings. Cross-field checks belong to the trainer.
 """
 import ast
 import dataclasses
@@ -19,9 +18,8 @@ class ConfigError(ValueError):
 
 def _closest(name, options, prefix=""):
     close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
-    if close:
-        return f" (did you mean '{prefix}{close[0]}'?)"
-    return f" (valid: {', '.join(prefix + o for o in sorted(options))})"
+    valid = ", ".join(prefix + o for o in sorted(options))
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid: {valid})"
 
 
 def _check(section, name, value, typ):
@@ -56,23 +54,22 @@ class _Section:
         object.__setattr__(self, "_obj", obj)
         object.__setattr__(self, "_types", typing.get_type_hints(type(obj)))
 
-    def __getattr__(self, key):
+    def _known(self, key):
         if key not in self._types:
             raise ConfigError(f"unknown config key '{self._name}.{key}'{_closest(key, self._types, self._name + '.')}")
-        return getattr(self._obj, key)
+        return key
+
+    def __getattr__(self, key):
+        return getattr(self._obj, self._known(key))
 
     def __setattr__(self, key, value):
-        if key not in self._types:
-            raise ConfigError(f"unknown config key '{self._name}.{key}'{_closest(key, self._types, self._name + '.')}")
-        setattr(self._obj, key, _check(self._name, key, value, self._types[key]))
+        setattr(self._obj, self._known(key), _check(self._name, key, value, self._types[key]))
 
 
 def parse(sections: dict, argv: list[str]) -> dict:
     """Apply config files (positional) then `--section.field=value` overrides onto `sections`."""
     wrapped = {name: _Section(name, obj) for name, obj in sections.items()}
-    for arg in argv:
-        if arg.startswith("--"):
-            continue
+    for arg in [a for a in argv if not a.startswith("--")]:  # config files first, in order
         try:
             code = open(arg).read()
         except OSError as e:
@@ -87,9 +84,7 @@ def parse(sections: dict, argv: list[str]) -> dict:
         if stray:
             raise ConfigError(f"{arg}: top-level name '{stray[0]}' is not a config section"
                               f"{_closest(stray[0], sections)}; assign fields like `loss.beta = 0.0`")
-    for arg in argv:
-        if not arg.startswith("--"):
-            continue
+    for arg in [a for a in argv if a.startswith("--")]:  # then the overrides, in order
         key, eq, value = arg[2:].partition("=")
         section, _, field = key.partition(".")
         if not eq or not field:

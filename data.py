@@ -19,11 +19,11 @@ What this file provides
   pre-tokenizer (every digit its own token), and a random Qwen2-architecture model in Hugging Face format that
   vLLM and transformers open as-is and tokenize identically.
 - `sft_example`: token ids + a loss mask that is 1 exactly on assistant content and its end-of-turn token.
-- `pad_batch`: right- or left-padded LongTensors of ids and attention mask.
+- `pack`: SFT documents first-fit into rows whose positions restart per document; `step_batch`: data order.
 
 Malformed rows (missing or empty question/answer, a non-numeric target) are skipped with a count and the
 first few shown; more than `max_bad_fraction` of them aborts, since that means the wrong file or format.
-Deliberately left out: sequence packing, streaming datasets, multimodal messages, `continue_final_message`.
+Deliberately left out: streaming datasets, multimodal messages, `continue_final_message`.
 Nothing heavy is imported at module level (datasets, transformers, vLLM), so `import data` is fast.
 """
 import json
@@ -137,7 +137,7 @@ def prompt_ids(tok: Tokenizer, question: str) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# SFT examples and padding
+# SFT examples and packing
 # ---------------------------------------------------------------------------------------------------------------
 def sft_example(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """ids and loss_mask for a (multi-turn) chat: 1 on each assistant message's content and its end-of-turn token.
@@ -174,17 +174,42 @@ def sft_example(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[i
     return ids, loss_mask
 
 
-def pad_batch(seqs: list[list[int]], pad_id: int, side="right") -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad to the longest sequence. Returns ids (B, T) and mask (B, T) (1 = real token), both int64."""
-    assert side in ("right", "left"), side
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), T), dtype=torch.long)
-    for b, s in enumerate(seqs):
-        sl = slice(0, len(s)) if side == "right" else slice(T - len(s), T)
-        ids[b, sl] = torch.tensor(s, dtype=torch.long)
-        mask[b, sl] = 1
-    return ids, mask
+def first_fit(docs, pack_len):
+    """Rows as lists of documents: each document goes to the first row it fits in (pack_len 0: its own row)."""
+    rows, lens = [], []
+    for doc in docs:
+        n = len(doc[0]) - 1
+        i = next((i for i, used in enumerate(lens) if used + n <= pack_len), None) if pack_len else None
+        if i is None:
+            rows.append([])
+            lens.append(0)
+            i = len(rows) - 1
+        rows[i].append(doc)
+        lens[i] += n
+    return rows
+
+
+def pack(docs, pack_len, pad_id, num_rows=0):
+    """Documents -> rows of next-token pairs, first fit in data order. A document of n tokens gives n-1 pairs
+    (ids[:-1] -> ids[1:]) at positions 0..n-2; a position restarting at 0 is a document boundary for
+    model.py. pack_len=0: one document per row. Rows are right-padded to the longest; the padding is a
+    document of its own with loss mask 0. num_rows: append empty rows up to this count (equal micro-batch
+    counts on every rank, which FSDP2's collectives need). Returns ids, pos, tgt (R, L) long, mask (R, L)."""
+    rows = first_fit(docs, pack_len)
+    rows += [[] for _ in range(num_rows - len(rows))]
+    R, L = len(rows), max([sum(len(d[0]) - 1 for d in row) for row in rows] + [1])
+    ids, tgt = torch.full((R, L), pad_id, dtype=torch.long), torch.full((R, L), pad_id, dtype=torch.long)
+    pos, mask = torch.zeros((R, L), dtype=torch.long), torch.zeros((R, L))
+    for r, row in enumerate(rows):
+        c = 0
+        for doc_ids, loss_mask in row:
+            n = len(doc_ids) - 1
+            ids[r, c:c + n], tgt[r, c:c + n] = torch.tensor(doc_ids[:-1]), torch.tensor(doc_ids[1:])
+            mask[r, c:c + n] = torch.tensor(loss_mask[1:], dtype=torch.float32)  # predicts token t+1
+            pos[r, c:c + n] = torch.arange(n)
+            c += n
+        pos[r, c:] = torch.arange(L - c)
+    return dict(ids=ids, pos=pos, tgt=tgt, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,6 +270,14 @@ def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", max_bad_fract
         import datasets  # hub name, e.g. openai/gsm8k (config "main")
         rows = datasets.load_dataset(source, "main", split=split)
     return _keep_good(rows, parse_gsm8k_row, max_bad_fraction, f"gsm8k {source} [{split}]")
+
+
+def step_batch(rows, step, batch, seed):
+    """Step s's rows from (seed, s) alone, epoch e a fixed permutation: same on every rank, exact on resume."""
+    epoch, pos = divmod(step, len(rows) // batch)
+    order = list(range(len(rows)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return [rows[i] for i in order[pos * batch:(pos + 1) * batch]]
 
 
 # ---------------------------------------------------------------------------------------------------------------

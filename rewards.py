@@ -1,4 +1,4 @@
-"""Reward functions for RL post-training, and the guard that keeps a bad one from stopping the run.
+"""Reward functions for RL post-training: the callables a researcher reads, edits and adds to.
 
 Contract: a reward is any picklable callable `reward(prompt: str, response: str, target: str) -> float`
 (a class with `__call__`, so it can travel to a worker process). Provided:
@@ -15,96 +15,22 @@ Contract: a reward is any picklable callable `reward(prompt: str, response: str,
 - ThinkingReward: 1.0 for a non-empty `<think>...</think>`, `partial_credit` for a malformed try.
 - FormatReward: 1.0 if a regex matches.  WeightedReward: sum_k w_k * r_k as one reward.
 
-Safety model (a reward can neither crash nor stall the trainer):
-- Extractors are cheap by construction: only the last `tail_chars` (8 KB) of a response are read,
-  braces are matched in one linear pass, no regex can backtrack badly, number tokens longer than
-  400 characters are refused (int() of 100k digits is slow) and exponents have at most 4 digits.
-- The symbolic fallback (sympy can spin on `10^{10^{10^{10}}}`) runs only on short strings without
-  exponent towers or factorials, and under `time_limit` (SIGALRM via setitimer, main thread only;
-  without a timer, e.g. in a thread, it is skipped rather than run unbounded).
-- `score_batch` calls every reward through `safe_call`: an exception, a None/NaN/inf result or a call
-  past `timeout_s` scores 0.0 and is counted per reward (`rewards/<name>_errors|_timeouts|_nonfinite`).
-  In-process the limit is the same signal (CPython checks it between bytecodes and inside `re` and
-  big-int loops); off the main thread a late call is only detected afterwards. A C extension that
-  never checks signals can still hang a process: `RewardPool` runs rewards in spawned workers, kills
-  a worker still busy `kill_grace_s` after its limit and starts a fresh one.
+Cheap by construction (a reward runs B*G times a step): only the last `tail_chars` (8 KB) of a response
+are read, braces are matched in one linear pass, no regex can backtrack badly, number tokens longer than
+400 characters are refused (int() of 100k digits is slow) and exponents have at most 4 digits. The
+symbolic fallback (sympy can spin on `10^{10^{10^{10}}}`) runs only on short strings without exponent
+towers or factorials, and under reward_guard.time_limit (without a timer, e.g. in a thread, it is
+skipped rather than run unbounded). Whatever a reward still does wrong (raise, hang, return NaN) is
+reward_guard.py's business: the trainer calls every reward through it.
 Left out: code-execution sandboxes, LLM judges, multiple-choice and string-answer heuristics.
 """
+
 import math
-import multiprocessing as mp
 import re
-import signal
-import threading
-import time
-from contextlib import contextmanager
 from decimal import Decimal
 from fractions import Fraction
-from multiprocessing.connection import wait
 
-
-class RewardTimeout(BaseException):  # BaseException: a reward's own `except Exception` can't eat it
-    def __init__(self, deadline):
-        super().__init__(deadline)
-        self.deadline = deadline
-
-
-_deadlines = []  # absolute time.monotonic() deadlines of the active, nested time_limit blocks
-
-
-def _on_alarm(signum, frame):
-    raise RewardTimeout(min(_deadlines, default=0.0))
-
-
-def _arm():
-    signal.setitimer(signal.ITIMER_REAL, max(min(_deadlines) - time.monotonic(), 1e-4))
-
-
-@contextmanager
-def time_limit(seconds):
-    """Raise RewardTimeout(deadline) in the block after `seconds`; nests; yields the deadline, or inf
-    (no limit) off the main thread, where signals cannot be delivered."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield math.inf
-        return
-    if not _deadlines:  # outermost: restore whoever else uses SIGALRM (pytest-timeout) afterwards
-        saved, t0 = (signal.signal(signal.SIGALRM, _on_alarm), signal.getitimer(signal.ITIMER_REAL)[0]), time.monotonic()
-    deadline = time.monotonic() + seconds
-    _deadlines.append(deadline)
-    try:
-        _arm()
-        yield deadline
-    finally:
-        try:  # the alarm can fire just before this line; the inner finally still restores state
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        finally:
-            _deadlines.remove(deadline)
-            if _deadlines:
-                _arm()
-            else:
-                signal.signal(signal.SIGALRM, saved[0])
-                if saved[1]:
-                    signal.setitimer(signal.ITIMER_REAL, max(saved[1] - (time.monotonic() - t0), 1e-4))
-
-
-def safe_call(fn, prompt, response, target, timeout_s=1.0):
-    """-> (score, status), status in ok | error | timeout | nonfinite. Never raises; 0.0 on failure."""
-    t0 = time.monotonic()
-    try:
-        with time_limit(timeout_s):
-            value = fn(prompt, response, target)
-    except RewardTimeout:
-        return 0.0, "timeout"
-    except Exception:
-        return 0.0, "error"
-    if timeout_s and time.monotonic() - t0 > timeout_s:  # off the main thread: caught only afterwards
-        return 0.0, "timeout"
-    if value is None:
-        return 0.0, "nonfinite"
-    try:
-        value = float(value)
-    except Exception:
-        return 0.0, "error"
-    return (value, "ok") if math.isfinite(value) else (0.0, "nonfinite")
+from reward_guard import RewardTimeout, enclosing_expired, safe_call, time_limit
 
 
 # ---- numbers: text -> Fraction | None, with linear-time regexes -------------------------------------
@@ -204,6 +130,11 @@ class MathReward:
         if symbolic:
             _load_math_verify()
 
+    def __setstate__(self, state):  # unpickled in a RewardPool worker: import sympy before any timed call
+        self.__dict__.update(state)
+        if self.symbolic:
+            _load_math_verify()
+
     def __call__(self, prompt, response, target):
         try:
             return self._score(response[-self.tail_chars:], str(target))
@@ -238,7 +169,7 @@ class MathReward:
                 pred = mv.parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
                 return bool(gold and pred and mv.verify(gold, pred, timeout_seconds=None))
         except RewardTimeout as e:
-            if e.deadline in _deadlines:  # an enclosing limit (safe_call's) expired: not ours to eat
+            if enclosing_expired(e):  # an enclosing limit (safe_call's) expired: not ours to eat
                 raise
             return False
         except Exception:
@@ -283,102 +214,3 @@ class WeightedReward:
     def __call__(self, prompt, response, target):
         return sum(self.weights.get(k, 1.0) * safe_call(fn, prompt, response, target, self.timeout_s)[0]
                    for k, fn in self.fns.items())
-
-
-# ---- batch scoring: the trainer's entry point ----------------------------------------------------
-def _worker(conn, reward_fns):
-    _load_math_verify()
-    conn.send("ready")
-    while (job := conn.recv()) is not None:
-        j, name, prompt, response, target, timeout_s = job
-        conn.send((j, *safe_call(reward_fns[name], prompt, response, target, timeout_s)))
-
-
-class RewardPool:
-    """`workers` spawned processes holding `reward_fns` (spawn, not fork: the trainer has threads and
-    maybe CUDA). `map` kills and replaces a worker still busy `kill_grace_s` after its time limit."""
-
-    def __init__(self, reward_fns, workers=2, kill_grace_s=1.0, start_timeout_s=120.0):
-        self.reward_fns, self.kill_grace_s, self.start_timeout_s = reward_fns, kill_grace_s, start_timeout_s
-        self.ctx, self.num_restarts = mp.get_context("spawn"), 0
-        self.workers = [self._start() for _ in range(workers)]
-
-    def _start(self, old=None):
-        if old is not None:
-            old["proc"].kill()
-            old["proc"].join()
-            self.num_restarts += 1
-        conn, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(child, self.reward_fns), daemon=True)
-        proc.start()
-        child.close()
-        if not conn.poll(self.start_timeout_s) or conn.recv() != "ready":
-            proc.kill()
-            raise RuntimeError("reward worker failed to start")
-        return {"proc": proc, "conn": conn, "job": None, "t0": 0.0}
-
-    def map(self, jobs, timeout_s=1.0):
-        """jobs: [(name, prompt, response, target)] -> [(score, status)], in order."""
-        out, todo = [None] * len(jobs), list(range(len(jobs)))[::-1]
-        while todo or any(w["job"] is not None for w in self.workers):
-            for k, w in enumerate(self.workers):
-                if w["job"] is None and todo:
-                    try:
-                        w["conn"].send((todo[-1], *jobs[todo[-1]], timeout_s))
-                        w["job"], w["t0"] = todo.pop(), time.monotonic()
-                    except (OSError, ValueError):  # died between jobs: replace it, the job waits
-                        self.workers[k] = w = self._start(w)
-            busy = [w for w in self.workers if w["job"] is not None]
-            ready = wait([w["conn"] for w in busy], timeout=0.05)
-            for k, w in enumerate(self.workers):
-                if w["job"] is None:
-                    continue
-                if w["conn"] in ready:
-                    try:
-                        j, score, status = w["conn"].recv()
-                        out[j], w["job"] = (score, status), None
-                        continue
-                    except (EOFError, OSError):  # crashed mid-call (segfault, os._exit)
-                        out[w["job"]] = (0.0, "error")
-                elif time.monotonic() - w["t0"] > timeout_s + self.kill_grace_s:  # hung in C
-                    out[w["job"]] = (0.0, "timeout")
-                else:
-                    continue
-                self.workers[k] = self._start(w)
-        return out
-
-    def close(self):
-        for w in self.workers:
-            try:
-                w["conn"].send(None)
-            except (OSError, ValueError):
-                pass
-            w["proc"].join(timeout=1.0)
-            w["proc"].kill()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0, pool=None):
-    """Weighted total per sample, plus per reward its mean and failure counts.
-    reward_fns {name: callable}; weights {name: float} (missing -> 1.0); pool: a RewardPool over the
-    same reward_fns, or None to run here. -> (scores list[float], stats dict)"""
-    names, n = list(reward_fns), len(responses)
-    jobs = [(k, p, r, t) for k in names for p, r, t in zip(prompts, responses, targets)]
-    if pool is not None:
-        results = pool.map(jobs, timeout_s)
-    else:
-        results = [safe_call(reward_fns[k], p, r, t, timeout_s) for k, p, r, t in jobs]
-    scores, stats = [0.0] * n, {}
-    for i, name in enumerate(names):
-        part = results[i * n : (i + 1) * n]
-        for s, (value, _) in enumerate(part):
-            scores[s] += (weights or {}).get(name, 1.0) * value
-        stats[f"rewards/{name}_mean"] = sum(v for v, _ in part) / max(n, 1)
-        for status, key in (("error", "errors"), ("timeout", "timeouts"), ("nonfinite", "nonfinite")):
-            stats[f"rewards/{name}_{key}"] = sum(st == status for _, st in part)
-    return scores, stats

@@ -8,7 +8,7 @@ every trainer rank (colocated). Producer i generates problems i::num_producers (
 trainer rank holds all B groups and keeps its own data-parallel slice. Trainers score their slice
 (`score`, in a killable process pool when `rollout.reward_workers > 0`); generator ranks never score.
 
-Prompts are a pure function of (seed, step) (`step_prompts`: epoch e is a fixed permutation of the
+Prompts are a pure function of (seed, step) (`data.step_batch`: epoch e is a fixed permutation of the
 train set), and so are the sampling seeds. Every rank derives step s's prompts alone, so generators
 need no prompt traffic, and a run resumed at step s continues the data order exactly.
 
@@ -25,15 +25,18 @@ Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), 
 colocated mode (the trainers generate, then train), and streaming or partial rollouts (a step's batch
 is collected whole).
 """
-import random
 import time
 
 import torch
 import torch.distributed as tdist
 
+import data
 import dist
 import generator
+import reward_guard
 import rewards
+import run
+import weight_sync
 
 
 def build_generator(cfg, path, max_model_len):
@@ -43,15 +46,6 @@ def build_generator(cfg, path, max_model_len):
         kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
                   max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems))
     return generator.make_generator(backend, path, **kw)
-
-
-def step_prompts(train, step, batch, seed):
-    """Step s's prompts from (seed, s) alone: epoch e is a fixed permutation of the train set."""
-    per_epoch = len(train) // batch
-    epoch, pos = divmod(step, per_epoch)
-    order = list(range(len(train)))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return [train[i] for i in order[pos * batch:(pos + 1) * batch]]
 
 
 def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, seed):
@@ -93,7 +87,7 @@ def score(groups, problems, reward_fns, cfg, pool=None):
             prompts.append(p["question"])
             responses.append(c.text)
             targets.append(str(p["target"]))
-    total, stats = rewards.score_batch(reward_fns, None, prompts, responses, targets,
+    total, stats = reward_guard.score_batch(reward_fns, None, prompts, responses, targets,
                                        timeout_s=cfg.rollout.reward_timeout_s, pool=pool)
     return torch.tensor(total, dtype=torch.float32).view(len(groups), -1), stats
 
@@ -120,11 +114,7 @@ def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_t
 
 
 def sync_due(step, cfg):  # generators must see fresh weights before every eval
-    return (step + 1) % cfg.dist.sync_interval == 0 or eval_due(step, cfg)
-
-
-def eval_due(step, cfg):
-    return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
+    return (step + 1) % cfg.dist.sync_interval == 0 or run.eval_due(step, cfg)
 
 
 def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
@@ -133,11 +123,11 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
     B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     def gen_step(s):
         dist.fault("kill_gen", s)  # test hook: SIGKILL this generator rank as it starts generating step s
-        return generate_share(gen, step_prompts(train, s, B, cfg.train.seed), producer, num_producers, G,
+        return generate_share(gen, data.step_batch(train, s, B, cfg.train.seed), producer, num_producers, G,
                               cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
     receive = lambda version: lambda named: gen.update_weights(named, version)  # noqa: E731
     if start > 0:  # resumed: take the restored weights before generating anything
-        dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
+        weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
     if start == 0:
         evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0, is_trainer=False)
     pending = None
@@ -147,6 +137,6 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
         # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s
         pending = gen_step(s + 1) if cfg.rollout.max_staleness and s + 1 < cfg.train.steps else None
         if sync_due(s, cfg):  # version = optimizer steps taken
-            dist.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
-        if eval_due(s, cfg):
+            weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
+        if run.eval_due(s, cfg):
             evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)

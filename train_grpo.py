@@ -3,7 +3,7 @@
 One step (B prompts, G samples each; every shape below is per trainer rank unless it says so):
 
     prompts --generate--> B*G completions (+ the generator's logprobs, weight version)
-            --reward----> R (B, G)       rewards.py: callables that never raise or hang
+            --reward----> R (B, G)       rewards.py, through reward_guard.py: never raises or hangs
             --advantage-> A (B, G)       losses.py: group z-score / Dr.GRPO / RLOO / REINFORCE++
             --ref/old---> ref_logp, old_logp (B*G, T)   no-grad forwards, only when needed
             --update----> ppo_epochs x minibatches x micro-batches, AdamW, grad clip
@@ -32,10 +32,8 @@ Launch lines:
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
 import importlib.util
-import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,13 +44,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engin
 import torch
 import torch.distributed as tdist
 
+import checkpoint
 import config
 import data
 import dist
 import losses
-import rewards
+import reward_guard
 import rollout
 import run
+import weight_sync
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,12 +240,7 @@ def validate(cfg, world_size):
                   f"data-parallel size {dp}")
     if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
         raise err("log.wandb=True needs `pip install wandb` (an optional extra; WANDB_MODE=offline works offline)")
-    if not cfg.model.path:
-        raise err("model.path is empty: give a checkpoint directory or a hub name")
-    looks_local = cfg.model.path.startswith((".", "/")) or os.path.exists(cfg.model.path) \
-        or cfg.model.path.count("/") != 1
-    if looks_local and not cfg.model.make_tiny and not Path(cfg.model.path, "config.json").exists():
-        raise err(f"model.path: no config.json in {cfg.model.path}")
+    run.check_model_path(cfg.model.path, cfg.model.make_tiny)
 
 
 def loss_kwargs(cfg):
@@ -399,8 +394,27 @@ def mismatch(train_logp, gen_logp, mask):
             "mismatch/kl": float(masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
 
 
+def step_metrics(parts, r, lengths, groups, batch, step, sched, skipped_total, num_dropped, cfg, dp_group, dp):
+    """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
+    statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
+    row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
+           "rollout/accuracy": float((r >= 1).float().mean()),
+           "rollout/response_len": float(lengths.mean()),
+           "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
+                                           / lengths.numel()),
+           "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
+           "rollout/staleness": float((step - batch["version"]).mean()),
+           "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
+           "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts": float(num_dropped)}
+    keys = sorted(row)
+    vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+    tdist.all_reduce(vec, group=dp_group)
+    return {k: float(v) / dp for k, v in zip(keys, vec)}
+
+
 SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl", "rollout/response_len",
          "mismatch/abs_diff", "perf/step_s", "eval/pass@1")  # the per-step line
+STATS = ("loss/total", "train/grad_norm", "rollout/reward_mean", "rollout/response_len")  # said on a skipped step
 
 
 def main(argv=None):
@@ -408,8 +422,6 @@ def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     roles = dist.get_roles(cfg.dist.generator_ranks)
-    if cfg.log.wandb:
-        import wandb  # optional extra, imported only when asked for
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
@@ -425,11 +437,11 @@ def main(argv=None):
             gen.release_default_group()
     dist.init_distributed(roles, cfg.dist.timeout_s)
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
-    group = dist.sync_group(roles)
+    group = weight_sync.sync_group(roles)
     train, held_out, num_dropped = load_tasks(cfg, tok)
     reward_fns = rollout.make_rewards(cfg)
-    pool = rewards.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) if cfg.rollout.reward_workers \
-        and roles.is_trainer else None
+    pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
+        if cfg.rollout.reward_workers and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
     if roles.is_generator:
         rollout.generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
@@ -445,46 +457,25 @@ def main(argv=None):
     if getattr(loss_fn, "beta", 0.0) > 0:
         ref = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype)
         ref.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            weight_decay=cfg.optim.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, run.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio, cfg.train.steps))
+    opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
     receive = (lambda v: lambda named: gen.update_weights(named, v)) if gen is not None else (lambda v: None)
-    skipped_total, skipped_run, num_failed_saves = 0, 0, 0
-    if ckpt_path:  # model, optimizer, schedule, counters; data order and sampling seeds derive from the step
-        extra = dist.load_checkpoint(ckpt_path, model, opt)
-        sched.load_state_dict(extra["sched"])
-        skipped_total, skipped_run = extra.get("skipped", (0, 0))
-        # NOTE: nothing in the loop draws from the global RNGs (every stream is seeded from (seed, step)); they are
-        # restored anyway so that a fork which adds dropout or random masking still resumes exactly
-        if "rng" in extra:
-            torch.set_rng_state(extra["rng"])
-            random.setstate(extra["py_rng"])
-        dist.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
+    # a resume restores model, optimizer, schedule, counters; data order and sampling seeds derive from the step
+    skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
+    if ckpt_path:  # the generators take the restored weights before they generate anything
+        weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
-    out.mkdir(parents=True, exist_ok=True)
-    is_log = roles.rank == 0
-    wandb_run = None
-    if is_log:
-        resolved = json.dumps(config.to_dict(vars(cfg)))
-        print("config:", resolved)
-        (out / "config.json").write_text(resolved)
-        for log in ("metrics.jsonl", "prompts.jsonl"):  # a fresh start empties them
-            (out / log).write_text(run.read_log(out / log, start) if start else "")
-        if cfg.log.wandb:
-            wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
+    log = run.RunLog(cfg, out, start, roles.rank == 0, SHOWN, logs=("metrics.jsonl", "prompts.jsonl"))
+    num_failed_saves = 0
     if start == 0:
         ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
-        if is_log:
-            run.log_step({"step": 0, **ev}, out, None, wandb_run, SHOWN)
+        log.step({"step": 0, **ev}, progress=False)
 
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
-        t_step = time.perf_counter()
+        t_step, perf = time.perf_counter(), {}
         # 4a. prompts: a pure function of (seed, step), identical on every rank
-        problems = rollout.step_prompts(train, s, B, cfg.train.seed)
+        problems = data.step_batch(train, s, B, cfg.train.seed)
         prompt_ids = [p["id"] for p in problems]  # logged to prompts.jsonl: which data each step saw
         # 4b. generate: colocated trainers generate their share; dedicated ones wait for the generators
         local = None
@@ -492,16 +483,14 @@ def main(argv=None):
             dist.fault("kill_gen", s)  # test hook: SIGKILL this rank as it starts generating step s
             local = rollout.generate_share(gen, problems, producer, num_producers, G, T, cfg,
                                            seed=cfg.train.seed * 100_003 + s)
-        t0 = time.perf_counter()
-        groups, gen_s = rollout.collect(local, B)
-        wait_s = time.perf_counter() - t0
+        with run.timed(perf, "perf/wait_s"):
+            groups, perf["perf/gen_s"] = rollout.collect(local, B)
         lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
         problems, groups = problems[lo:hi], groups[lo:hi]
         # 4c. rewards (B/dp, G)
-        t0 = time.perf_counter()
-        r, rstats = rollout.score(groups, problems, reward_fns, cfg, pool)
-        lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
-        reward_s = time.perf_counter() - t0
+        with run.timed(perf, "perf/reward_s"):
+            r, rstats = rollout.score(groups, problems, reward_fns, cfg, pool)
+            lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
         # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
         adv = advantages(r, cfg, lengths)
         batch = make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
@@ -510,52 +499,34 @@ def main(argv=None):
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         adv = adv.reshape(-1)  # (B/dp*G,)
         # 4e. reference and old logprobs (no grad), only when the loss needs them
-        t0 = time.perf_counter()
-        ref_logp = no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None
-        ref_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        old_logp = None  # on-policy single update: old = sg(logp) inside the loss
-        if cfg.rollout.max_staleness:
-            old_logp = batch["gen_logp"]  # the policy that actually sampled (weights one version old)
-        elif cfg.train.ppo_epochs * cfg.train.minibatches > 1:
-            old_logp = no_grad_logp(model, batch, cfg.train.micro_batch, T)
-        old_s = time.perf_counter() - t0
+        with run.timed(perf, "perf/ref_s"):
+            ref_logp = no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None
+        with run.timed(perf, "perf/old_s"):
+            old_logp = None  # on-policy single update: old = sg(logp) inside the loss
+            if cfg.rollout.max_staleness:
+                old_logp = batch["gen_logp"]  # the policy that actually sampled (weights one version old)
+            elif cfg.train.ppo_epochs * cfg.train.minibatches > 1:
+                old_logp = no_grad_logp(model, batch, cfg.train.micro_batch, T)
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
-        t0 = time.perf_counter()
-        if roles.colocated and gen is not None:
-            gen.sleep()  # GPU: free the engine's memory for the update (a no-op on CPU)
-        m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
-                                        roles.device, s)
-        train_s = time.perf_counter() - t0
+        with run.timed(perf, "perf/train_s"):
+            if roles.colocated and gen is not None:
+                gen.sleep()  # GPU: free the engine's memory for the update (a no-op on CPU)
+            m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
+                                            roles.device, s)
         if roles.colocated and gen is not None:
             gen.wake_up()
         skipped_total += skipped
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
-        t0 = time.perf_counter()
         sync = {}
-        if rollout.sync_due(s, cfg):
-            sync = dist.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
-        sync_s = time.perf_counter() - t0
-        # 4h. metrics, averaged over data-parallel ranks
-        row = {**m, **rstats, **mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync,
-               "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
-               "rollout/accuracy": float((r >= 1).float().mean()),
-               "rollout/response_len": float(lengths.mean()),
-               "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
-                                               / lengths.numel()),
-               "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
-               "rollout/staleness": float((s - batch["version"]).mean()),
-               "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
-               "perf/gen_s": gen_s, "perf/wait_s": wait_s, "perf/reward_s": reward_s, "perf/ref_s": ref_s,
-               "perf/old_s": old_s, "perf/train_s": train_s, "perf/sync_s": sync_s,
-               "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts":
-                   float(num_dropped)}
-        keys = sorted(row)
-        vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
-        tdist.all_reduce(vec, group=mesh["dp_shard"].get_group())
-        row = {k: float(v) / dp for k, v in zip(keys, vec)}
-        if rollout.eval_due(s, cfg):
+        with run.timed(perf, "perf/sync_s"):
+            if rollout.sync_due(s, cfg):
+                sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
+        # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
+        row = step_metrics({**m, **rstats, **mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync, **perf},
+                           r, lengths, groups, batch, s, sched, skipped_total, num_dropped, cfg,
+                           mesh["dp_shard"].get_group(), dp)
+        if run.eval_due(s, cfg):
             row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
         abort = skipped_run >= cfg.train.max_skipped_steps
         num_failed_saves += run.checkpoint_due(cfg, out, s + 1, model, opt, sched, (skipped_total, skipped_run), abort)
@@ -563,25 +534,13 @@ def main(argv=None):
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
         row["step"] = s + 1
-        stats = ", ".join(f"{k}={row[k]:.4g}" for k in ("loss/total", "train/grad_norm", "rollout/reward_mean",
-                                                         "rollout/response_len") if k in row)
-        if is_log:
-            run.log_step(row, out, bar, wandb_run, SHOWN)
-            with open(out / "prompts.jsonl", "a") as f:
-                f.write(json.dumps({"step": s + 1, "ids": prompt_ids}) + "\n")
-            if skipped:
-                bar.write(f"step {s + 1}: non-finite loss or grad norm, optimizer step skipped ({stats})")
-            if (s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps:
-                import plots
-                plots.plot_run(out / "metrics.jsonl", out)
-        if abort:  # after the log, so the batch that tipped it over is on record
-            raise RuntimeError(f"{skipped_run} consecutive steps (up to step {s + 1}) had a non-finite loss or grad "
-                               f"norm, train.max_skipped_steps={cfg.train.max_skipped_steps}: aborting. Last batch: "
-                               f"{stats}")
+        log.append("prompts.jsonl", {"step": s + 1, "ids": prompt_ids})
+        run.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
+                        plot=(s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps)
 
     # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
-    dist.export_hf(model, out / "hf", tokenizer_dir=path)
-    bar.close()
+    checkpoint.export_hf(model, out / "hf", tokenizer_dir=path)
+    log.close()
     dist.shutdown()
 
 

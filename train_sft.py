@@ -35,9 +35,7 @@ Launch lines:
     1 GPU (~7 packed rows/step):   python train_sft.py configs/sft_gsm8k.py
     8 GPUs (FSDP2):                torchrun --nproc_per_node=8 train_sft.py configs/sft_gsm8k.py
 """
-import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -47,10 +45,12 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as tdist
 
+import checkpoint
 import config
 import data
 import dist
 import generator
+import reward_guard
 import rewards
 import run
 
@@ -140,42 +140,34 @@ def parse_config(argv):
 
 def validate(cfg, world_size):
     """Cross-field checks, before anything heavy is loaded."""
-    err = config.ConfigError
-    if world_size % cfg.dist.tp:
-        raise err(f"dist.tp={cfg.dist.tp} does not divide the world size {world_size}")
-    dp = world_size // cfg.dist.tp
-    if cfg.train.batch_size % dp:
-        raise err(f"train.batch_size={cfg.train.batch_size} is not divisible by the data-parallel size {dp}")
-    if cfg.data.name not in ("arith", "gsm8k"):
-        raise err(f"data.name: {cfg.data.name!r} is not arith or gsm8k")
-    if cfg.optim.schedule not in ("constant", "cosine"):
-        raise err(f"optim.schedule: {cfg.optim.schedule!r} is not constant or cosine")
-    for name, v in [("train.steps", cfg.train.steps), ("train.batch_size", cfg.train.batch_size),
-                    ("train.micro_batch", cfg.train.micro_batch), ("eval.num_problems", cfg.eval.num_problems),
-                    ("eval.max_tokens", cfg.eval.max_tokens), ("data.max_seq_tokens", cfg.data.max_seq_tokens)]:
-        if v < 1:
-            raise err(f"{name}={v} must be >= 1")
-    if cfg.data.pack_len and cfg.data.pack_len < cfg.data.max_seq_tokens:
-        raise err(f"data.pack_len={cfg.data.pack_len} must be 0 or >= data.max_seq_tokens={cfg.data.max_seq_tokens}")
-    if not 0 <= cfg.eval.stop_at_accuracy <= 1:
-        raise err(f"eval.stop_at_accuracy={cfg.eval.stop_at_accuracy} must be in [0, 1] (0 = off)")
+    c = cfg
+    if world_size % c.dist.tp:
+        raise config.ConfigError(f"dist.tp={c.dist.tp} does not divide the world size {world_size}")
+    if c.train.batch_size % (world_size // c.dist.tp):
+        raise config.ConfigError(f"train.batch_size={c.train.batch_size} is not divisible by the data-parallel "
+                                 f"size {world_size // c.dist.tp}")
     for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
-            ("optim.lr", cfg.optim.lr > 0, "> 0"), ("optim.grad_clip", cfg.optim.grad_clip > 0, "> 0"),
-            ("optim.weight_decay", cfg.optim.weight_decay >= 0, ">= 0"),
-            ("optim.warmup_steps", cfg.optim.warmup_steps >= 0, ">= 0"),
-            ("train.max_skipped_steps", cfg.train.max_skipped_steps >= 1, ">= 1"),
-            ("dist.timeout_s", cfg.dist.timeout_s > 0, "> 0"), ("ckpt.every", cfg.ckpt.every >= 0, ">= 0"),
-            ("data.max_bad_fraction", 0 <= cfg.data.max_bad_fraction <= 1, "in [0, 1]")]:
+            ("data.name", c.data.name in ("arith", "gsm8k"), "arith or gsm8k"),
+            ("data.max_seq_tokens", c.data.max_seq_tokens >= 1, ">= 1"),
+            ("data.pack_len", c.data.pack_len == 0 or c.data.pack_len >= c.data.max_seq_tokens,
+             f"0 or >= data.max_seq_tokens={c.data.max_seq_tokens}"),
+            ("data.max_bad_fraction", 0 <= c.data.max_bad_fraction <= 1, "in [0, 1]"),
+            ("optim.lr", c.optim.lr > 0, "> 0"), ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
+            ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
+            ("optim.warmup_steps", c.optim.warmup_steps >= 0, ">= 0"),
+            ("optim.schedule", c.optim.schedule in ("constant", "cosine"), "constant or cosine"),
+            ("train.steps", c.train.steps >= 1, ">= 1"), ("train.batch_size", c.train.batch_size >= 1, ">= 1"),
+            ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
+            ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
+            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"),
+            ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"), ("eval.max_tokens", c.eval.max_tokens >= 1, ">= 1"),
+            ("eval.stop_at_accuracy", 0 <= c.eval.stop_at_accuracy <= 1, "in [0, 1] (0 = off)"),
+            ("ckpt.every", c.ckpt.every >= 0, ">= 0")]:
         if not ok:
             section, key = name.split(".")
-            raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
+            raise config.ConfigError(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
     run.check_resume(cfg.ckpt.resume)
-    if not cfg.model.path:
-        raise err("model.path is empty: give a checkpoint directory or a hub name")
-    looks_local = cfg.model.path.startswith((".", "/")) or os.path.exists(cfg.model.path) \
-        or cfg.model.path.count("/") != 1
-    if looks_local and not cfg.model.make_tiny and not Path(cfg.model.path, "config.json").exists():
-        raise err(f"model.path: no config.json in {cfg.model.path}")
+    run.check_model_path(cfg.model.path, cfg.model.make_tiny)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,15 +190,11 @@ def load_tasks(cfg):
 
 def step_examples(train, step, batch, seed, cfg, exclude):
     """Step s's examples from (seed, s) alone. Synthetic: fresh problems (never an eval question);
-    a dataset: epoch e is a fixed permutation of the train set."""
+    a dataset: epoch e is a fixed permutation of the train set (data.step_batch)."""
     if train is None:
         return data.make_arith(batch, seed=seed * 1_000_003 + step + 1, min_digits=cfg.data.min_digits,
                                max_digits=cfg.data.max_digits, exclude=exclude)
-    per_epoch = len(train) // batch
-    epoch, pos = divmod(step, per_epoch)
-    order = list(range(len(train)))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return [train[i] for i in order[pos * batch:(pos + 1) * batch]]
+    return data.step_batch(train, step, batch, seed)
 
 
 def to_docs(tok, problems, instruction, max_tokens):
@@ -218,44 +206,6 @@ def to_docs(tok, problems, instruction, max_tokens):
         truncated += len(ids) > max_tokens
         docs.append((ids[:max_tokens], loss_mask[:max_tokens]))
     return docs, truncated
-
-
-def first_fit(docs, pack_len):
-    """Rows as lists of documents: each document goes to the first row it fits in (pack_len 0: its own row)."""
-    rows, lens = [], []
-    for doc in docs:
-        n = len(doc[0]) - 1
-        i = next((i for i, used in enumerate(lens) if used + n <= pack_len), None) if pack_len else None
-        if i is None:
-            rows.append([])
-            lens.append(0)
-            i = len(rows) - 1
-        rows[i].append(doc)
-        lens[i] += n
-    return rows
-
-
-def pack(docs, pack_len, pad_id, num_rows=0):
-    """Documents -> rows of next-token pairs, first fit in data order. A document of n tokens gives n-1 pairs
-    (ids[:-1] -> ids[1:]) at positions 0..n-2; a position restarting at 0 is a document boundary for
-    model.py. pack_len=0: one document per row. Rows are right-padded to the longest; the padding is a
-    document of its own with loss mask 0. num_rows: append empty rows up to this count (equal micro-batch
-    counts on every rank, which FSDP2's collectives need). Returns ids, pos, tgt (R, L) long, mask (R, L)."""
-    rows = first_fit(docs, pack_len)
-    rows += [[] for _ in range(num_rows - len(rows))]
-    R, L = len(rows), max([sum(len(d[0]) - 1 for d in row) for row in rows] + [1])
-    ids, tgt = torch.full((R, L), pad_id, dtype=torch.long), torch.full((R, L), pad_id, dtype=torch.long)
-    pos, mask = torch.zeros((R, L), dtype=torch.long), torch.zeros((R, L))
-    for r, row in enumerate(rows):
-        c = 0
-        for doc_ids, loss_mask in row:
-            n = len(doc_ids) - 1
-            ids[r, c:c + n], tgt[r, c:c + n] = torch.tensor(doc_ids[:-1]), torch.tensor(doc_ids[1:])
-            mask[r, c:c + n] = torch.tensor(loss_mask[1:], dtype=torch.float32)  # predicts token t+1
-            pos[r, c:c + n] = torch.arange(n)
-            c += n
-        pos[r, c:] = torch.arange(L - c)
-    return dict(ids=ids, pos=pos, tgt=tgt, mask=mask)
 
 
 def nll_sum(model, batch, rows, device):
@@ -274,18 +224,15 @@ def evaluate(model, gen, dev_batch, held_out, cfg, device):
                    for i in rows[::cfg.train.micro_batch]) / float(dev_batch["mask"].sum())
     groups = gen.generate([p["prompt_ids"] for p in held_out], n=1, temperature=0.0,
                           max_tokens=cfg.eval.max_tokens, seed=0)
-    scores, _ = rewards.score_batch({"math": rewards.MathReward(symbolic=False)}, None,
+    scores, _ = reward_guard.score_batch({"math": rewards.MathReward(symbolic=False)}, None,
                                     [p["question"] for p in held_out], [g[0].text for g in groups],
                                     [str(p["target"]) for p in held_out], timeout_s=2.0)
     return {"sft/eval_loss": loss, "eval/pass@1": sum(s >= 1 for s in scores) / len(scores),
             "perf/eval_s": time.perf_counter() - t0}
 
 
-def eval_due(step, cfg):
-    return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
-
-
 SHOWN = ("step", "sft/loss", "sft/eval_loss", "eval/pass@1", "perf/step_s")  # the per-step line
+STATS = ("sft/loss", "train/grad_norm")  # said on a skipped step
 
 
 def main(argv=None):
@@ -293,11 +240,10 @@ def main(argv=None):
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     roles = dist.get_roles(0)  # SFT has no generator ranks: every rank trains
-    if cfg.log.wandb:
-        import wandb  # optional extra, imported only when asked for
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
+    N = cfg.train.batch_size
 
     # ---- 2. dist init and data -------------------------------------------------------------------
     path = run.resolve_model(cfg.model.path, cfg.model.make_tiny)
@@ -308,7 +254,7 @@ def main(argv=None):
     for p in held_out:
         p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
     dev_docs, _ = to_docs(tok, held_out, cfg.data.instruction, cfg.data.max_seq_tokens)
-    dev_batch = pack(dev_docs, cfg.data.pack_len, tok.pad_token_id)
+    dev_batch = data.pack(dev_docs, cfg.data.pack_len, tok.pad_token_id)
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
 
     # ---- 3. model and optimizer ------------------------------------------------------------------
@@ -316,40 +262,18 @@ def main(argv=None):
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
                              activation_checkpointing=cfg.dist.activation_checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            weight_decay=cfg.optim.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, run.lr_lambda(cfg.optim.warmup_steps, cfg.optim.schedule, cfg.optim.min_lr_ratio,
-                                                           cfg.optim.schedule_steps or cfg.train.steps))
-    skipped_total, skipped_run, num_failed_saves, N = 0, 0, 0, cfg.train.batch_size
-    if ckpt_path:  # model, optimizer, schedule, counters; the data order derives from the step
-        extra = dist.load_checkpoint(ckpt_path, model, opt)
-        sched.load_state_dict(extra["sched"])
-        skipped_total, skipped_run = extra.get("skipped", (0, 0))
-        if "rng" in extra:  # NOTE: nothing draws from them today; restored so that a fork adding dropout resumes exactly
-            torch.set_rng_state(extra["rng"])
-            random.setstate(extra["py_rng"])
+    opt, sched = run.make_optimizer(model, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
+    # a resume restores model, optimizer, schedule, counters; the data order derives from the step
+    skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
     # NOTE: dtype is the KV cache's; TorchGenerator currently takes it from the (fp32, sharded) params instead
     gen = generator.TorchGenerator(model, max_model_len=max(len(p["prompt_ids"]) for p in held_out)
                                    + cfg.eval.max_tokens, dtype=dtype or torch.float32, tokenizer_path=path)
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     dp_group = mesh["dp_shard"].get_group()
-    out.mkdir(parents=True, exist_ok=True)
-    is_log = roles.rank == 0
-    wandb_run = None
-    if is_log:
-        resolved = json.dumps(config.to_dict(vars(cfg)))
-        print("config:", resolved)
-        (out / "config.json").write_text(resolved)
-        # a fresh start empties the log; a resume keeps the rows up to its checkpoint
-        (out / "metrics.jsonl").write_text(run.read_log(out / "metrics.jsonl", start) if start else "")
-        if cfg.log.wandb:
-            wandb_run = wandb.init(project="nanoforge", name=cfg.log.run, config=json.loads(resolved))
-    from tqdm import tqdm
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
+    log = run.RunLog(cfg, out, start, roles.rank == 0, SHOWN)
+    num_failed_saves = 0
     if start == 0:
-        ev = evaluate(model, gen, dev_batch, held_out, cfg, roles.device)
-        if is_log:
-            run.log_step({"step": 0, **ev}, out, None, wandb_run, SHOWN)
+        log.step({"step": 0, **evaluate(model, gen, dev_batch, held_out, cfg, roles.device)}, progress=False)
 
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
@@ -358,12 +282,12 @@ def main(argv=None):
         problems = step_examples(train, s, N, cfg.train.seed, cfg, exclude)[dp_rank * N // dp:(dp_rank + 1) * N // dp]
         docs, truncated = to_docs(tok, problems, cfg.data.instruction, cfg.data.max_seq_tokens)
         # 4b. pack: ids, pos, tgt, mask (R, L); every rank gets the same row count (FSDP2: same forwards)
-        num_rows = torch.tensor(len(first_fit(docs, cfg.data.pack_len)))
+        num_rows = torch.tensor(len(data.first_fit(docs, cfg.data.pack_len)))
         num_tokens = torch.tensor(float(sum(sum(m[1:]) for _, m in docs)), dtype=torch.float64)
         tdist.all_reduce(num_rows, op=tdist.ReduceOp.MAX, group=dp_group)  # rows per rank
         tdist.all_reduce(num_tokens, group=dp_group)  # loss tokens of the whole step, all ranks
         num_rows, num_tokens = int(num_rows), float(num_tokens)
-        batch = pack(docs, cfg.data.pack_len, tok.pad_token_id, num_rows)
+        batch = data.pack(docs, cfg.data.pack_len, tok.pad_token_id, num_rows)
         # 4c. update: micro-batches of packed rows; each adds its share of the global token mean
         loss_sum = 0.0
         for i in range(0, num_rows, cfg.train.micro_batch):
@@ -374,15 +298,15 @@ def main(argv=None):
             loss_sum += float(nll.detach())
         gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
         dist.fault("kill_opt", s)  # test hook: SIGKILL with gradients computed, before the step
-        if torch.isfinite(gnorm):
+        skipped = not torch.isfinite(gnorm)
+        if not skipped:
             opt.step()
-        else:  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
-            skipped_total += 1
         opt.zero_grad(set_to_none=True)
         sched.step()
-        skipped_run = skipped_run + 1 if not torch.isfinite(gnorm) else 0  # aborts after the log, see 4d
+        skipped_total += skipped  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
+        skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4d
         train_s = time.perf_counter() - t_step
-        # 4d. metrics, summed over data-parallel ranks
+        # 4d. metrics (summed over data-parallel ranks), eval, checkpoint, log
         vec = torch.tensor([loss_sum, float(batch["mask"].numel()), float(sum(len(d[0]) - 1 for d in docs)),
                             float(truncated)], dtype=torch.float64)
         tdist.all_reduce(vec, group=dp_group)
@@ -391,7 +315,7 @@ def main(argv=None):
                "data/pack_efficiency": float(vec[2] / vec[1]), "data/truncated": float(vec[3]),
                "data/rows": float(num_rows * dp), "perf/train_s": train_s}
         stop = False
-        if eval_due(s, cfg):
+        if run.eval_due(s, cfg):
             row.update(evaluate(model, gen, dev_batch, held_out, cfg, roles.device))
             box = [row["eval/pass@1"]]  # rank 0's verdict, so every rank stops at the same step
             tdist.broadcast_object_list(box, src=0)
@@ -403,27 +327,16 @@ def main(argv=None):
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(vec[2]) / max(train_s, 1e-9)
         row["step"] = s + 1
-        stats = f"sft/loss={row['sft/loss']:.4g}, train/grad_norm={row['train/grad_norm']:.4g}"
-        if is_log:
-            run.log_step(row, out, bar, wandb_run, SHOWN)
-            if not torch.isfinite(gnorm):
-                bar.write(f"step {s + 1}: non-finite loss or grad norm, optimizer step skipped ({stats})")
-            if (s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps or stop:
-                import plots
-                plots.plot_run(out / "metrics.jsonl", out)
-        if abort:  # after the log, so the batch that tipped it over is on record
-            raise RuntimeError(f"{skipped_run} consecutive steps (up to step {s + 1}) had a non-finite loss or grad "
-                               f"norm, train.max_skipped_steps={cfg.train.max_skipped_steps}: aborting. Last batch: "
-                               f"{stats}")
+        run.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
+                        plot=(s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps or stop)
         if stop:
-            if is_log:
-                bar.write(f"eval/pass@1={row['eval/pass@1']:.3f} >= {cfg.eval.stop_at_accuracy} at step {s + 1}: "
-                          "stopping (eval.stop_at_accuracy)")
+            log.write(f"eval/pass@1={row['eval/pass@1']:.3f} >= {cfg.eval.stop_at_accuracy} at step {s + 1}: "
+                      "stopping (eval.stop_at_accuracy)")
             break
 
     # ---- 5. export the final model as a Hugging Face checkpoint that vLLM and train_grpo.py open ----
-    dist.export_hf(model, out / "hf", tokenizer_dir=path)
-    bar.close()
+    checkpoint.export_hf(model, out / "hf", tokenizer_dir=path)
+    log.close()
     dist.shutdown()
 
 

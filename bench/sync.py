@@ -1,11 +1,11 @@
-"""Weight-sync bandwidth: dist.broadcast_weights (the real trainer -> generator path) vs a raw broadcast.
+"""Weight-sync bandwidth: weight_sync.broadcast_weights (the real trainer -> generator path) vs a raw broadcast.
 
 Two ranks under torchrun, gloo on CPU: rank 0 is the trainer (the model sharded by dist.shard_model, exactly as
 train_grpo.py holds it), rank 1 a generator. For each model and bucket size, in the same process group:
 
     raw        one dist.broadcast of a flat uint8 buffer of the same number of bytes (the ceiling)
     raw bucketed  one broadcast per bucket of preallocated buffers, no packing: the ceiling for a bucket size
-    real       dist.broadcast_weights(...): buckets of whole decoder blocks, tensors >= --direct-kb sent from their own
+    real       weight_sync.broadcast_weights(...): buckets of whole decoder blocks, tensors >= --direct-kb sent from their own
                memory, the rest packed; the generator receives into two reused buffers and yields zero-copy views;
                receive=None, so the transport alone
     real+load  the same, and the generator copies every tensor into a same-shaped model (TorchGenerator's
@@ -87,12 +87,13 @@ def worker(args):
     import torch
     import torch.distributed as tdist
     import dist
+    import weight_sync
     if args.direct_kb is not None:
-        dist._DIRECT_BYTES = args.direct_kb * 1024  # NOTE: private knob, measured here
+        weight_sync._DIRECT_BYTES = args.direct_kb * 1024  # NOTE: private knob, measured here
     roles = dist.get_roles(1)
     dist.init_distributed(roles, 600)
     mesh = dist.trainer_mesh(roles, 1, 1)
-    group = dist.sync_group(roles)
+    group = weight_sync.sync_group(roles)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -114,23 +115,23 @@ def worker(args):
 
             raw_buf = torch.empty(nbytes, dtype=torch.uint8)
             raw_buf.fill_(1)
-            row = dict(model=name, bytes=nbytes, params=nbytes // 4, direct_bytes=dist._DIRECT_BYTES, buckets=[])
+            row = dict(model=name, bytes=nbytes, params=nbytes // 4, direct_bytes=weight_sync._DIRECT_BYTES, buckets=[])
             for mb in args.buckets:
                 # the ceiling, re-measured beside every bucket size: the shared machine drifts by +-20%
                 raw_s = timed(lambda: tdist.broadcast(raw_buf, src=0, group=group), group, args.repeats)
-                dist._SYNC_PLANS.clear()  # NOTE: private cache; a new bucket size needs a new plan on both sides
-                real_s = timed(lambda: dist.broadcast_weights(model, group, roles, mb), group, args.repeats)
+                weight_sync._SYNC_PLANS.clear()  # NOTE: private cache; a new bucket size needs a new plan on both sides
+                real_s = timed(lambda: weight_sync.broadcast_weights(model, group, roles, mb), group, args.repeats)
                 if sink:  # start from zeros, so the checksum below sees what the sync delivered
                     for t in sink.values():
                         t.zero_()
-                load_s = timed(lambda: dist.broadcast_weights(model, group, roles, mb, receive=load if sink else None),
+                load_s = timed(lambda: weight_sync.broadcast_weights(model, group, roles, mb, receive=load if sink else None),
                                group, args.repeats)
                 mine = _checksum(model if roles.is_trainer else sink)
                 sent = [mine if roles.is_trainer else None]
                 tdist.broadcast_object_list(sent, src=0, group=group)
                 if abs(sent[0] - mine) > 1e-6 * max(1.0, abs(sent[0])):
                     raise RuntimeError(f"broadcast_weights delivered different weights: checksum {mine} vs {sent[0]}")
-                plan = dist._SYNC_PLANS[group]
+                plan = weight_sync._SYNC_PLANS[group]
                 bucket_bufs = [torch.ones(b[0], dtype=torch.uint8) for b in plan]  # preallocated, no packing
                 rawb_s = timed(lambda: [tdist.broadcast(b, src=0, group=group) for b in bucket_bufs], group,
                                args.repeats)
@@ -160,7 +161,7 @@ def main():
     p.add_argument("--buckets", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024], help="bucket sizes, MB")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--direct-kb", type=int, default=None,
-                   help="tensors this big are broadcast from their own memory (default: dist.py's threshold)")
+                   help="tensors this big are broadcast from their own memory (default: weight_sync.py's threshold)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sync.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

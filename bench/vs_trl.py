@@ -3,7 +3,7 @@
 What is held equal (TRL defaults that differ are pinned, see trl_worker):
     checkpoint      a random Qwen2-shaped model from data.make_tiny_checkpoint: "tiny" (0.9M params, overhead-
                     dominated) and "50m" (48M params, compute-dominated), with the arithmetic tokenizer
-    prompts         rollout.step_prompts order for steps 0..N-1 (TRL: shuffle_dataset=False, so it walks the
+    prompts         data.step_batch order for steps 0..N-1 (TRL: shuffle_dataset=False, so it walks the
                     same list in the same order), rendered by the checkpoint's chat template
     reward          rewards.MathReward (what train_grpo scores), group size G, B*G completions per step
     sampling        temperature 1, top_p 1, top_k off, max_tokens
@@ -80,13 +80,12 @@ def trl_worker(a):
     from trl import GRPOConfig, GRPOTrainer
     import data
     import rewards
-    import rollout
     import train_grpo
     B = a.prompts
     cfg = train_grpo.parse_config(["configs/tiny.py", f"--model.path={a.ckpt}", "--model.make_tiny=false",
                                    f"--rollout.prompts_per_step={B}"])
     train, _, _ = train_grpo.load_tasks(cfg, data.Tokenizer(a.ckpt))
-    problems = [p for s in range(a.steps) for p in rollout.step_prompts(train, s, B, cfg.train.seed)]
+    problems = [p for s in range(a.steps) for p in data.step_batch(train, s, B, cfg.train.seed)]
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p["question"]}], "target": str(p["target"])}
                             for p in problems])
     math_reward = rewards.MathReward()

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint as C  # noqa: E402
 import dist as D  # noqa: E402
+import weight_sync as W  # noqa: E402
 import model as M  # noqa: E402
 
 
@@ -124,7 +126,7 @@ def trainers2(roles, out):
         for n, t in named:
             got.append(n)
             recv[n].copy_(t)
-    stats = D.broadcast_weights(m, None, roles, receive=receive)
+    stats = W.broadcast_weights(m, None, roles, receive=receive)
     res["colocated"] = {"equal": all(torch.equal(recv[n], t) for n, t in full_params(m).items()),
                         "names": got, "stats": stats}
 
@@ -135,7 +137,7 @@ def trainers2(roles, out):
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     train_step(m, opt, batch(1), mesh)
     torch.manual_seed(1000 + roles.rank)
-    D.save_checkpoint(ckpt, 1, m, opt, {"step": 1, "rank": roles.rank, "rng": torch.get_rng_state()})
+    C.save_checkpoint(ckpt, 1, m, opt, {"step": 1, "rank": roles.rank, "rng": torch.get_rng_state()})
     draw = torch.rand(3)
     train_step(m, opt, batch(2), mesh)
     want = full_params(m)
@@ -144,10 +146,10 @@ def trainers2(roles, out):
         (ckpt / "step_5" / ".metadata").write_text("truncated")
         (ckpt / "step_7.tmp").mkdir()
     dist.barrier()
-    path = D.latest_checkpoint(ckpt)
+    path = C.latest_checkpoint(ckpt)
     m2 = D.shard_model(make_model(cfg, 123), mesh)
     opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-    extra = D.load_checkpoint(path, m2, opt2)
+    extra = C.load_checkpoint(path, m2, opt2)
     train_step(m2, opt2, batch(2), mesh)
     dist.barrier()
     res["ckpt"] = {"path": path.name, "extra_step": extra["step"], "extra_rank": extra["rank"],
@@ -158,7 +160,7 @@ def trainers2(roles, out):
     mesh_tp = D.trainer_mesh(roles, 1, 2)
     m3 = D.shard_model(make_model(cfg, 321), mesh_tp)
     opt3 = torch.optim.AdamW(m3.parameters(), lr=1e-2)
-    D.load_checkpoint(path, m3, opt3)
+    C.load_checkpoint(path, m3, opt3)
     train_step(m3, opt3, batch(2), mesh_tp)
     res["ckpt"]["reshard_tp_diff"] = max_diff(full_params(m3), want)
     return res
@@ -173,9 +175,9 @@ def sync(roles, out, dp_shard):
     """1 trainer + 1 generator (world 2) or 2 FSDP trainers + 1 generator (world 3): bit-exact broadcast,
     twice (the second with cached metadata, after a training step); world 3 also checkpoints and exports."""
     res, cfg = {}, tiny_cfg("qwen3", tie=False)
-    D._DIRECT_BYTES = 4096  # NOTE: private knob; the 4 KiB+ matrices go straight from (full) parameters, k/v packed
+    W._DIRECT_BYTES = 4096  # NOTE: private knob; the 4 KiB+ matrices go straight from (full) parameters, k/v packed
     mesh = D.trainer_mesh(roles, dp_shard, 1)
-    group = D.sync_group(roles)
+    group = W.sync_group(roles)
     if roles.is_trainer:
         ref = make_model(cfg, 0)  # oracle for the first step: one unsharded rank on the whole batch
         ref_loss = nll(ref, batch(0))
@@ -194,7 +196,7 @@ def sync(roles, out, dp_shard):
             for n, t in named:
                 got.append(n)
                 recv[n].copy_(t)
-        stats = D.broadcast_weights(m, group, roles, bucket_mb=0.02, receive=receive)  # several buckets
+        stats = W.broadcast_weights(m, group, roles, bucket_mb=0.02, receive=receive)  # several buckets
         res[f"sync{i}"] = {"stats": stats, "names": got}
         if roles.is_trainer:
             want = full_params(m)  # collective on trainers
@@ -207,15 +209,15 @@ def sync(roles, out, dp_shard):
             torch.save({n: t.clone() for n, t in recv.items()}, Path(out) / f"sync{dp_shard}_got{i}.pt")
     if roles.is_trainer and dp_shard == 2:  # trainer subset of a world with a generator: checkpoint + export
         ckpt = Path(out) / "ckpt3"
-        D.save_checkpoint(ckpt, 3, m, opt, {"step": 3})
+        C.save_checkpoint(ckpt, 3, m, opt, {"step": 3})
         train_step(m, opt, batch(5), mesh)
         want = full_params(m)
         m2 = D.shard_model(make_model(cfg, 5), mesh)
         opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
-        extra = D.load_checkpoint(D.latest_checkpoint(ckpt), m2, opt2)
+        extra = C.load_checkpoint(C.latest_checkpoint(ckpt), m2, opt2)
         train_step(m2, opt2, batch(5), mesh)
         res["ckpt"] = {"extra_step": extra["step"], "resume_diff": max_diff(full_params(m2), want)}
-        D.export_hf(m2, Path(out) / "hf3")
+        C.export_hf(m2, Path(out) / "hf3")
         exported = full_params(m2)  # collective on trainers
         if roles.rank == 0:
             torch.save(exported, Path(out) / "hf3_want.pt")
@@ -264,8 +266,8 @@ def world1(roles, out):
     def receive(named):
         for n, t in named:
             recv[n].copy_(t)
-    stats = D.broadcast_weights(m, D.sync_group(roles), roles, receive=receive)
-    D.export_hf(m, Path(out) / "hf1")
+    stats = W.broadcast_weights(m, W.sync_group(roles), roles, receive=receive)
+    C.export_hf(m, Path(out) / "hf1")
     want = full_params(m)
     exported = dict(M.Transformer.from_pretrained(Path(out) / "hf1").named_parameters())
     return {"equal": all(torch.equal(recv[n], t) for n, t in want.items()), "stats": stats,

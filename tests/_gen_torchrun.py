@@ -1,5 +1,5 @@
 """Run by test_generator.py under `torchrun --nproc_per_node=2`: rank 1 is a dedicated vLLM generator rank,
-rank 0 a trainer that syncs perturbed weights to it through dist.broadcast_weights and checks what comes back.
+rank 0 a trainer that syncs perturbed weights to it through weight_sync.broadcast_weights and checks what comes back.
 
 Tiny buckets (0.05 MB, smaller than one decoder block and than the biggest tensors) and a low direct-send threshold
 make the sync use many buckets, both buffers several times, packed and directly sent tensors; two rounds, the second
@@ -17,6 +17,7 @@ import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dist  # noqa: E402
+import weight_sync  # noqa: E402
 
 BUCKET_MB, ROUNDS = 0.05, 2
 
@@ -30,8 +31,8 @@ def main():
         gen = VLLMGenerator(ckpt, max_model_len=128, kv_cache_memory_bytes=32 << 20, max_num_seqs=16)
         gen.release_default_group()
     dist.init_distributed(roles, timeout_s=120)
-    group = dist.sync_group(roles)
-    dist._DIRECT_BYTES = 100_000  # NOTE: private knob; 64 KiB attention matrices packed, 196 KB MLP/embedding direct
+    group = weight_sync.sync_group(roles)
+    weight_sync._DIRECT_BYTES = 100_000  # NOTE: private knob; 64 KiB attention matrices packed, 196 KB MLP/embedding direct
 
     prompts = [[5, 17, 33, 2, 9], [100, 3], [42] * 11]
     model, snapshots, rows = None, [], []
@@ -46,7 +47,7 @@ def main():
                     p.mul_(1.01).add_(0.05 * torch.randn(p.shape, generator=g))
             snapshots.append({k: v.detach().clone() for k, v in model.named_parameters()})
         receive = (lambda named: gen.update_weights(named, version)) if gen else None
-        stats = dist.broadcast_weights(model, group, roles, BUCKET_MB, receive=receive)
+        stats = weight_sync.broadcast_weights(model, group, roles, BUCKET_MB, receive=receive)
         result = [None]
         if gen:
             greedy = gen.generate(prompts, temperature=0, max_tokens=10, stop_token_ids=[])
@@ -76,7 +77,7 @@ def main():
                     p.copy_(snap[k])
             gaps_new.append(gap(model, r))
         mine = TorchGenerator(model).generate(prompts, temperature=0, max_tokens=10, stop_token_ids=[])
-        plan = dist._SYNC_PLANS[group]
+        plan = weight_sync._SYNC_PLANS[group]
         with open(out, "w") as f:
             json.dump(dict(gaps_new=gaps_new, gap_old=gap(old, rows[-1]), world_size=tdist.get_world_size(),
                            versions=[sorted({r[3] for r in rs}) for rs in rows],

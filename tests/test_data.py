@@ -243,13 +243,14 @@ def test_sft_mask_chatml_excludes_header_and_glue(template_dirs):
     assert masked == " 1 + 2 = 3. The answer is 3.<|im_end|>ok<|im_end|>"
 
 
-def test_pad_batch():
-    seqs = [[5, 6, 7], [8], [9, 10]]
-    ids, mask = data.pad_batch(seqs, pad_id=0)
-    assert ids.dtype == mask.dtype == torch.long
-    assert ids.tolist() == [[5, 6, 7], [8, 0, 0], [9, 10, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
-    ids, mask = data.pad_batch(seqs, pad_id=1, side="left")
-    assert ids.tolist() == [[5, 6, 7], [1, 1, 8], [1, 9, 10]] and mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+def test_step_batch_is_a_permutation_per_epoch_and_a_function_of_seed_and_step():
+    train = list(range(10))
+    B = 3  # 3 steps per epoch, the last item of each epoch's permutation unused
+    epoch0 = [p for s in range(3) for p in data.step_batch(train, s, B, seed=1)]
+    assert len(epoch0) == len(set(epoch0)) == 9  # no repeats within an epoch
+    assert data.step_batch(train, 4, B, seed=1) == data.step_batch(list(train), 4, B, seed=1)  # resume
+    assert epoch0 != [p for s in range(3, 6) for p in data.step_batch(train, s, B, seed=1)]  # new epoch order
+    assert epoch0 != [p for s in range(3) for p in data.step_batch(train, s, B, seed=2)]  # seed matters
 
 
 # ----------------------------------------------------------------------------------------------- GSM8K

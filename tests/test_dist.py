@@ -90,16 +90,16 @@ def test_broadcast_weights_bit_exact(tmp_path, nproc, dp_shard):
 
 @pytest.mark.parametrize("bucket_bytes", [80_000, 5_000])  # two blocks per bucket; a block (and a tensor) > bucket
 def test_bucket_plan_keeps_units_whole(bucket_bytes):
-    import dist as D
+    import weight_sync as W
     cfg = M.ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
                         rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
                         attention_bias=False, qk_norm=True)
     model, direct_bytes = M.Transformer(cfg), 4096
     params = dict(model.named_parameters())
-    plan = D._bucket_plan(model, bucket_bytes, direct_bytes)
+    plan = W._bucket_plan(model, bucket_bytes, direct_bytes)
     names = [e[0] for _, _, entries in plan for e in entries]
-    assert names == [n for n, _ in D._sync_order(model)] and sorted(names) == sorted(params)
+    assert names == [n for n, _ in W._sync_order(model)] and sorted(names) == sorted(params)
     unit = lambda n: n[:n.index(".", 13) + 1] if n.startswith("model.layers.") else "rest"  # noqa: E731
     where = {}
     for i, (size, packed, entries) in enumerate(plan):

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, GSM8K_DIR
+import checkpoint
 import config
 import data
-import dist
 import train_grpo
 import train_sft
 
@@ -148,7 +148,7 @@ def test_sft_failed_checkpoint_write_nan_abort_and_nothing_to_resume(tmp_path, t
     assert [r["step"] for r in rs] == [1, 2, 3, 4, 5, 6]  # the step that tipped it over is logged
     assert [r["ckpt/failed_saves"] for r in rs] == [0, 0, 0, 1, 1, 1]
     assert checkpoints(tmp_path, "f") == ["step_2"]  # nothing partial left; no checkpoint of the aborted step
-    assert dist.latest_checkpoint(tmp_path / "f" / "ckpt").name == "step_2"
+    assert checkpoint.latest_checkpoint(tmp_path / "f" / "ckpt").name == "step_2"
     # resuming a run whose checkpoint already reached train.steps says so instead of silently training 0 steps
     log = ok(launch("train_sft.py", [*args, "--train.steps=2", "--ckpt.resume=auto"], tmp_path, "f", nproc=1))
     assert "is at step 2 and train.steps=2: nothing to train" in log

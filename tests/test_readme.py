@@ -65,11 +65,11 @@ def test_readme_new_loss_plugs_into_the_trainer_config(monkeypatch):
 
 
 def test_readme_new_reward_through_safe_call():
-    import rewards
+    import reward_guard
     reward = readme_namespace("new-reward")["ConcisenessReward"](max_words=4)
-    assert rewards.safe_call(reward, "q", "one two three", "3")[0] == 1.0
-    assert rewards.safe_call(reward, "q", "a b c d e f", "3")[0] == pytest.approx(0.5)
-    assert rewards.safe_call(reward, "q", " ".join("x" * 20), "3")[0] == 0.0
+    assert reward_guard.safe_call(reward, "q", "one two three", "3")[0] == 1.0
+    assert reward_guard.safe_call(reward, "q", "a b c d e f", "3")[0] == pytest.approx(0.5)
+    assert reward_guard.safe_call(reward, "q", " ".join("x" * 20), "3")[0] == 0.0
 
 
 def test_readme_cpu_blocks_run(tmp_path):

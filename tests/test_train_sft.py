@@ -42,13 +42,13 @@ def test_packed_loss_equals_unpacked(tiny_ckpt):
                 * torch.tensor(m[1:], dtype=torch.float32)).sum() for ids, m in docs)
     num_tokens = sum(sum(m[1:]) for _, m in docs)
     for pack_len in (0, 80, 256):
-        batch = train_sft.pack(docs, pack_len, tok.pad_token_id, num_rows=6)
+        batch = data.pack(docs, pack_len, tok.pad_token_id, num_rows=6)
         if pack_len:
             assert len(batch["ids"]) < len(docs) and batch["mask"].sum() == num_tokens  # really packed
         loss = train_sft.nll_sum(model, batch, slice(None), "cpu")
         assert abs(float(loss - ref)) / num_tokens <= 1e-5, pack_len
     # the test can fail: positions that do not restart let documents attend to each other
-    batch = train_sft.pack(docs, 256, tok.pad_token_id)
+    batch = data.pack(docs, 256, tok.pad_token_id)
     leaky = -(model(batch["ids"], targets=batch["tgt"]) * batch["mask"]).sum()
     assert abs(float(leaky - ref)) / num_tokens > 1e-3
 
@@ -56,16 +56,16 @@ def test_packed_loss_equals_unpacked(tiny_ckpt):
 def test_pack_layout(tiny_ckpt):
     tok = data.Tokenizer(tiny_ckpt)
     docs = docs_for(tok, 9)
-    num_rows = len(train_sft.first_fit(docs, 100))
+    num_rows = len(data.first_fit(docs, 100))
     assert 1 < num_rows < len(docs)
-    b = train_sft.pack(docs, 100, tok.pad_token_id, num_rows=num_rows + 1)
+    b = data.pack(docs, 100, tok.pad_token_id, num_rows=num_rows + 1)
     assert len(b["ids"]) == num_rows + 1 and b["mask"][-1].sum() == 0  # padded with an empty row
     lens = [len(ids) - 1 for ids, _ in docs]
-    row0 = train_sft.first_fit(docs, 100)[0]
+    row0 = data.first_fit(docs, 100)[0]
     n0 = len(row0[0][0]) - 1
     assert b["pos"][0, :n0].tolist() == list(range(n0)) and b["pos"][0, n0] == 0  # restarts per document
     assert (b["ids"][0, 1:n0] == b["tgt"][0, :n0 - 1]).all()  # next-token pairs inside a document
-    assert all(sum(len(d[0]) - 1 for d in row) <= 100 for row in train_sft.first_fit(docs, 100))
+    assert all(sum(len(d[0]) - 1 for d in row) <= 100 for row in data.first_fit(docs, 100))
     assert float(b["mask"].sum()) == sum(sum(m[1:]) for _, m in docs) and sum(lens) <= b["ids"].numel()
     # the loss mask covers the completion and its end-of-turn token, not the prompt
     ids, m = docs[0]
@@ -125,7 +125,7 @@ def test_loss_drops_and_export_matches(straight, tiny_ckpt):
     model, tok = Transformer.from_pretrained(hf), data.Tokenizer(hf)
     cfg = train_sft.parse_config([*RUN_ARGS, f"--model.path={tiny_ckpt}"])
     _, held_out, _ = train_sft.load_tasks(cfg)
-    batch = train_sft.pack(train_sft.to_docs(tok, held_out, "", cfg.data.max_seq_tokens)[0], cfg.data.pack_len,
+    batch = data.pack(train_sft.to_docs(tok, held_out, "", cfg.data.max_seq_tokens)[0], cfg.data.pack_len,
                            tok.pad_token_id)
     with torch.no_grad():
         loss = float(train_sft.nll_sum(model, batch, slice(None), "cpu") / batch["mask"].sum())
