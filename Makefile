@@ -4,14 +4,22 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 HASH := $(shell cat requirements-cpu.txt requirements-gpu.txt scripts/install.sh | sha256sum | cut -c1-16)
 STAMP := .venv/.installed-$(HASH)
+# the optional extra (W&B, TensorBoard): not part of `make install`; the tests read both back, so `make test` adds it
+EXTRAS := .venv/.extras-$(shell cat requirements-extra.txt | sha256sum | cut -c1-16)
 
-.PHONY: test demo compare install
+.PHONY: test demo compare install extras
 install: $(STAMP)
 
 $(STAMP): requirements-cpu.txt requirements-gpu.txt scripts/install.sh
 	bash scripts/install.sh $(STAMP)
 
-test: $(STAMP)
+extras: $(EXTRAS)
+
+$(EXTRAS): $(STAMP) requirements-extra.txt
+	$(PY) -m pip install --disable-pip-version-check -r requirements-extra.txt
+	rm -f .venv/.extras-* && touch $(EXTRAS)
+
+test: $(STAMP) $(EXTRAS)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)

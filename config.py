@@ -1,10 +1,10 @@
 """Configs: dataclass sections with defaults, a Python config file, then `--section.field=value`.
 
 A trainer declares its knobs as small dataclasses at the top of its file (one comment per field) and calls
-`parse(sections, argv)`. A config file is plain Python run with the sections as its globals (`loss.beta = 0.0`
-assigns onto the dataclass). A typo names the closest valid key (`loss.bta` -> did you mean `loss.beta`?), a wrong
-type names the field, and a stray top-level variable in a config file is an error too: a silent new variable is how
-a long run trains with the wrong settings. Cross-field checks belong to the trainer.
+`parse(sections, argv)`: config files (plain Python run with the sections as globals: `loss.beta = 0.0`), then
+overrides. A typo names the closest valid key (`loss.bta` -> did you mean `loss.beta`?), a wrong type names the
+field, a stray top-level name in a config file is an error (a silent new variable is how a long run trains with
+the wrong settings). Cross-field checks are the trainer's; `--help` and `--print-config` are run.py's.
 """
 import ast
 import dataclasses
@@ -14,6 +14,9 @@ import typing
 
 class ConfigError(ValueError):
     pass
+
+
+FLAGS = ("--help", "-h", "--print-config")  # not overrides: run.parse_cli acts on them
 
 
 def _closest(name, options, prefix=""):
@@ -50,9 +53,7 @@ class _Section:
     """Wraps a dataclass instance so that assigning an unknown field fails with a suggestion."""
 
     def __init__(self, name, obj):
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_obj", obj)
-        object.__setattr__(self, "_types", typing.get_type_hints(type(obj)))
+        self.__dict__.update(_name=name, _obj=obj, _types=typing.get_type_hints(type(obj)))
 
     def _known(self, key):
         if key not in self._types:
@@ -67,9 +68,9 @@ class _Section:
 
 
 def parse(sections: dict, argv: list[str]) -> dict:
-    """Apply config files (positional) then `--section.field=value` overrides onto `sections`."""
+    """Config files (positional), then `--section.field=value` overrides, onto `sections`; FLAGS are the caller's."""
     wrapped = {name: _Section(name, obj) for name, obj in sections.items()}
-    for arg in [a for a in argv if not a.startswith("--")]:  # config files first, in order
+    for arg in [a for a in argv if not a.startswith("-")]:  # config files first, in order
         try:
             code = open(arg).read()
         except OSError as e:
@@ -84,11 +85,11 @@ def parse(sections: dict, argv: list[str]) -> dict:
         if stray:
             raise ConfigError(f"{arg}: top-level name '{stray[0]}' is not a config section"
                               f"{_closest(stray[0], sections)}; assign fields like `loss.beta = 0.0`")
-    for arg in [a for a in argv if a.startswith("--")]:  # then the overrides, in order
+    for arg in [a for a in argv if a.startswith("-") and a not in FLAGS]:  # then the overrides, in order
         key, eq, value = arg[2:].partition("=")
         section, _, field = key.partition(".")
-        if not eq or not field:
-            raise ConfigError(f"bad override {arg!r}: expected --section.field=value")
+        if not arg.startswith("--") or not eq or not field:
+            raise ConfigError(f"bad override {arg!r}: expected --section.field=value (or --help)")
         if section not in wrapped:
             raise ConfigError(f"unknown config section '{section}'{_closest(section, sections)}")
         setattr(wrapped[section], field, value)

@@ -1,30 +1,22 @@
-"""Data: tokenizer + chat templates, GSM8K, the synthetic arithmetic task, the tiny checkpoint, SFT examples.
+"""Data: tokenizer + chat templates, datasets (GSM8K, a user's loader, the synthetic task), the tiny checkpoint, SFT.
 
-What this file provides
-- `Tokenizer`: a `tokenizers.Tokenizer` read from a checkpoint's tokenizer.json, plus the special tokens from
+- `Tokenizer`: a `tokenizers.Tokenizer` from a checkpoint's tokenizer.json, plus the special tokens from
   tokenizer_config.json (eos/pad/...) and generation_config.json (extra eos ids, e.g. Llama-3's <|eot_id|>).
-- Chat templates: rendered with jinja2 from the checkpoint's own `chat_template`, in the same sandboxed
-  environment transformers uses (trim_blocks, lstrip_blocks, loop controls, `raise_exception`, a `tojson` that
-  does not HTML-escape, `strftime_now`), with the same variables (`messages`, `add_generation_prompt`, the named
-  special tokens, `tools`/`documents` and any extra keyword). The tests check byte-identity against
-  transformers' `apply_chat_template`.
-- `load_gsm8k`: GSM8K from the hub (`openai/gsm8k`) or a local .jsonl/.parquet file as
-  {question, solution, target}, target = the number after "####" with commas stripped.
-- `make_arith`: the synthetic task that the CPU demo learns from scratch (../shared/notes/tiny-task.md):
-      question  "Sue has 11 eggs. She finds 65 more. How many eggs now?"
-      solution  " 11 + 65 = 76. The answer is 76."          target "76"
-  10 names x 10 objects x 4 verb templates per operator; a subtraction that would go negative becomes an
-  addition; difficulty = operand digit range; `exclude` filters training problems against eval sets.
-- `make_tiny_checkpoint`: a byte-level BPE tokenizer trained (deterministically) on that task with Qwen2's
-  pre-tokenizer (every digit its own token), and a random Qwen2-architecture model in Hugging Face format that
-  vLLM and transformers open as-is and tokenize identically.
-- `sft_example`: token ids + a loss mask that is 1 exactly on assistant content and its end-of-turn token.
-- `pack`: SFT documents first-fit into rows whose positions restart per document; `step_batch`: data order.
+- Chat templates: the checkpoint's own `chat_template`, rendered with jinja2 in the sandboxed environment and with
+  the variables transformers uses (trim/lstrip blocks, loop controls, `raise_exception`, a non-escaping `tojson`,
+  `strftime_now`; the named special tokens, `tools`, `documents`); tests check byte-identity with transformers.
+- `load_gsm8k`: GSM8K from the hub or a local .jsonl/.parquet as {question, solution, target} (target: the number
+  after "####", commas stripped). A user's loader returns such records; `check_record` checks each the same way.
+- `make_arith`: the synthetic task the CPU demo learns from scratch (../shared/notes/tiny-task.md): "Sue has 11
+  eggs. She finds 65 more. How many eggs now?" -> " 11 + 65 = 76. The answer is 76." (target "76").
+- `make_tiny_checkpoint`: a BPE tokenizer trained deterministically on that task (Qwen2's pre-tokenizer: a token
+  per digit) and a random Qwen2 model in Hugging Face format; vLLM and transformers open and tokenize it as we do.
+- `sft_example`: ids + a loss mask, 1 exactly on assistant content and its end-of-turn token; `pack`: documents
+  first-fit into rows whose positions restart per document; `step_batch`: a dataset's order per (seed, step).
 
-Malformed rows (missing or empty question/answer, a non-numeric target) are skipped with a count and the
-first few shown; more than `max_bad_fraction` of them aborts, since that means the wrong file or format.
-Deliberately left out: streaming datasets, multimodal messages, `continue_final_message`.
-Nothing heavy is imported at module level (datasets, transformers, vLLM), so `import data` is fast.
+Malformed rows (missing or empty question/answer, a bad target) are skipped, counted, the first few shown; more
+than `max_bad_fraction` aborts (the wrong file or format). Left out: streaming datasets, multimodal messages,
+`continue_final_message`. Nothing heavy is imported at module level, so `import data` is fast.
 """
 import json
 import random
@@ -215,10 +207,7 @@ def pack(docs, pack_len, pad_id, num_rows=0):
 # ---------------------------------------------------------------------------------------------------------------
 # GSM8K and malformed rows
 # ---------------------------------------------------------------------------------------------------------------
-NUMBER = re.compile(r"-?\d+(\.\d+)?")
-
-
-def _keep_good(rows, parse, max_bad_fraction: float, what: str, show: int = 3) -> list[dict]:
+def keep_good(rows, parse, max_bad_fraction: float, what: str, show: int = 3) -> list[dict]:
     """parse(row) -> record or raises ValueError(reason). Skip bad rows with a report; abort if too many."""
     good, bad = [], []
     for i, row in enumerate(rows):
@@ -236,17 +225,25 @@ def _keep_good(rows, parse, max_bad_fraction: float, what: str, show: int = 3) -
     return good
 
 
-def parse_gsm8k_row(row: dict | str) -> dict:
-    row = json.loads(row) if isinstance(row, str) else row  # a JSON line (JSONDecodeError is a ValueError)
-    question, solution = row["question"], row["answer"]
+def check_record(r: dict) -> dict:
+    """A task record as every trainer reads it: {question (non-empty), solution (str), target (str, non-empty)}."""
+    question, solution, target = r["question"], r["solution"], str(r["target"]).strip()
     if not isinstance(question, str) or not question.strip():
         raise ValueError("empty question")
+    if not isinstance(solution, str) or not target:
+        raise ValueError("solution is not a string" if target else "empty target")
+    return {"question": question, "solution": solution, "target": target}
+
+
+def parse_gsm8k_row(row: dict | str) -> dict:
+    row = json.loads(row) if isinstance(row, str) else row  # a JSON line (JSONDecodeError is a ValueError)
+    solution = row["answer"]
     if not isinstance(solution, str) or "####" not in solution:
         raise ValueError("answer has no '####' line")
     target = solution.rsplit("####", 1)[1].strip().replace(",", "")
-    if not NUMBER.fullmatch(target):
+    if not re.fullmatch(r"-?\d+(\.\d+)?", target):
         raise ValueError(f"non-numeric target {target!r}")
-    return {"question": question, "solution": solution, "target": target}
+    return check_record({"question": row["question"], "solution": solution, "target": target})
 
 
 def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", max_bad_fraction: float = 0.01) -> list[dict]:
@@ -269,7 +266,7 @@ def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", max_bad_fract
     else:
         import datasets  # hub name, e.g. openai/gsm8k (config "main")
         rows = datasets.load_dataset(source, "main", split=split)
-    return _keep_good(rows, parse_gsm8k_row, max_bad_fraction, f"gsm8k {source} [{split}]")
+    return keep_good(rows, parse_gsm8k_row, max_bad_fraction, f"gsm8k {source} [{split}]")
 
 
 def step_batch(rows, step, batch, seed):

@@ -1,20 +1,25 @@
 """PNG plots of a run's metrics.jsonl: the curves you look at first when a run misbehaves.
 
-One figure, one panel per question: is reward rising, is held-out accuracy following, is the
-response length stable, are KL and entropy sane, is the policy loss finite, and where does a
-step's time go. Missing metrics are skipped, so SFT and GRPO runs share this file.
+One figure, one panel per question: is reward rising and held-out accuracy following, what each
+reward contributes, is the response length stable, is the KL to the reference sane, is the entropy
+collapsing, do trainer and generator still agree on the sampled tokens' logprobs (mismatch), is the
+loss finite, is the gradient norm steady, and where does a step's time go. Missing metrics are skipped,
+so SFT and GRPO runs share this file.
 """
 import json
 from pathlib import Path
 
-PANELS = [
+PANELS = [  # (title, keys); a key ending in "*" takes every metric with that prefix
     ("reward / accuracy", ["rollout/reward_mean", "rollout/accuracy", "eval/pass@1"]),
-    ("response length", ["rollout/response_len"]),
-    ("KL / entropy", ["loss/kl", "loss/entropy", "mismatch/kl"]),
+    ("rewards (each, unweighted mean)", ["rewards/*_mean"]),
+    ("response length (tokens)", ["rollout/response_len"]),
+    ("KL to the reference", ["loss/kl"]),
+    ("entropy", ["loss/entropy"]),
+    ("train / inference mismatch", ["mismatch/abs_diff", "mismatch/kl"]),
     ("loss", ["loss/total", "loss/pg", "sft/loss", "sft/eval_loss"]),
-    ("grad norm / lr", ["train/grad_norm"]),
+    ("grad norm", ["train/grad_norm"]),
 ]
-TIME_KEYS = ["perf/gen_s", "perf/reward_s", "perf/ref_s", "perf/old_s", "perf/train_s", "perf/sync_s"]
+TIME_KEYS = ["perf/gen_s", "perf/reward_s", "perf/ref_s", "perf/old_s", "perf/train_s", "perf/sync_s", "perf/eval_s"]
 
 
 def plot_run(jsonl, out_dir, name="curves.png"):
@@ -22,8 +27,11 @@ def plot_run(jsonl, out_dir, name="curves.png"):
     matplotlib.use("Agg")  # no display on servers and CI
     import matplotlib.pyplot as plt
     rows = [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(3, 3, figsize=(15, 11))
+    names = sorted({k for r in rows for k in r})
     for ax, (title, keys) in zip(axes.flat, PANELS):
+        keys = [n for k in keys for n in ([k] if "*" not in k else
+                                           [n for n in names if n.startswith(k.split("*")[0]) and n.endswith(k.split("*")[1])])]
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
             if pts:

@@ -175,22 +175,24 @@ class RewardPool:
         self.close()
 
 
-def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0, pool=None):
+def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0, pool=None, per_reward=False):
     """Weighted total per sample, plus per reward its mean and failure counts.
     reward_fns {name: callable}; weights {name: float} (missing -> 1.0); pool: a RewardPool over the
-    same reward_fns, or None to run here. -> (scores list[float], stats dict)"""
+    same reward_fns, or None to run here. -> (scores list[float], stats dict), and with `per_reward` a third:
+    {name: each sample's unweighted score} (the trainer's accuracy is the "math" one's)."""
     names, n = list(reward_fns), len(responses)
     jobs = [(k, p, r, t) for k in names for p, r, t in zip(prompts, responses, targets)]
     if pool is not None:
         results = pool.map(jobs, timeout_s)
     else:
         results = [safe_call(reward_fns[k], p, r, t, timeout_s) for k, p, r, t in jobs]
-    scores, stats = [0.0] * n, {}
+    scores, stats, parts = [0.0] * n, {}, {}
     for i, name in enumerate(names):
         part = results[i * n : (i + 1) * n]
+        parts[name] = [v for v, _ in part]
         for s, (value, _) in enumerate(part):
             scores[s] += (weights or {}).get(name, 1.0) * value
         stats[f"rewards/{name}_mean"] = sum(v for v, _ in part) / max(n, 1)
         for status, key in (("error", "errors"), ("timeout", "timeouts"), ("nonfinite", "nonfinite")):
             stats[f"rewards/{name}_{key}"] = sum(st == status for _, st in part)
-    return scores, stats
+    return (scores, stats, parts) if per_reward else (scores, stats)

@@ -214,3 +214,6 @@ class WeightedReward:
     def __call__(self, prompt, response, target):
         return sum(self.weights.get(k, 1.0) * safe_call(fn, prompt, response, target, self.timeout_s)[0]
                    for k, fn in self.fns.items())
+
+
+BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward}  # names for rollout.rewards

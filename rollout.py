@@ -25,11 +25,13 @@ Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), 
 colocated mode (the trainers generate, then train), and streaming or partial rollouts (a step's batch
 is collected whole).
 """
+import functools
 import time
 
 import torch
 import torch.distributed as tdist
 
+import config
 import data
 import dist
 import generator
@@ -73,23 +75,54 @@ def collect(local, num_problems):
     return groups, gen_s
 
 
+def reward_specs(entries):
+    """`rollout.rewards` -> [(name, factory, kwargs, weight)]. A key is a built-in (rewards.BUILTIN) or
+    "package.module:Name" / "path/to/file.py:Name" (a class, instantiated with the kwargs, or a function); a value
+    is its weight, or {"weight": w, **kwargs}. "math" is always there, with weight 0 unless listed: it is the
+    accuracy metric whatever else is summed. Imports only (the config check); make_rewards instantiates."""
+    specs = []
+    for key, value in {**entries, "math": entries.get("math", 0.0)}.items():
+        kwargs = dict(value) if isinstance(value, dict) else {"weight": value}
+        weight, field = kwargs.pop("weight", 1.0), f"rollout.rewards[{key!r}]"
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise config.ConfigError(f"{field}: the weight must be a number, got {weight!r}")
+        if key in rewards.BUILTIN:
+            specs.append((key, rewards.BUILTIN[key], kwargs, float(weight)))
+        elif ":" in key:
+            specs.append((key.rpartition(":")[2], run.load_object(key, field), kwargs, float(weight)))
+        else:
+            raise config.ConfigError(f"{field}: unknown reward{config._closest(key, rewards.BUILTIN)}; or name your "
+                                     "own as 'package.module:Name' or 'path/to/file.py:Name'")
+    return specs
+
+
 def make_rewards(cfg):
-    """Named reward callables; "math" (correctness) is also the accuracy metric."""
-    fns = {"math": rewards.MathReward()}
-    return fns
+    """({name: callable}, {name: weight}), each reward instantiated once, here (picklable for RewardPool)."""
+    fns, weights = {}, {}
+    for name, factory, kwargs, weight in reward_specs(cfg.rollout.rewards):
+        try:
+            fns[name] = factory(**kwargs) if isinstance(factory, type) else \
+                functools.partial(factory, **kwargs) if kwargs else factory
+        except TypeError as e:  # wrong keyword arguments for the class
+            raise config.ConfigError(f"rollout.rewards: {name}({kwargs}) failed: {e}") from None
+        if not callable(fns[name]):
+            raise config.ConfigError(f"rollout.rewards: a {name} instance is not callable (no __call__)")
+        weights[name] = weight
+    return fns, weights
 
 
-def score(groups, problems, reward_fns, cfg, pool=None):
-    """Rewards (B, G) of this rank's groups; the MathReward component doubles as accuracy."""
+def score(groups, problems, reward_fns, weights, cfg, pool=None):
+    """Rewards (B, G) of this rank's groups: the weighted total, and the "math" component (correctness)."""
     prompts, responses, targets = [], [], []
     for p, comps in zip(problems, groups):
         for c in comps:
             prompts.append(p["question"])
             responses.append(c.text)
             targets.append(str(p["target"]))
-    total, stats = reward_guard.score_batch(reward_fns, None, prompts, responses, targets,
-                                       timeout_s=cfg.rollout.reward_timeout_s, pool=pool)
-    return torch.tensor(total, dtype=torch.float32).view(len(groups), -1), stats
+    total, stats, parts = reward_guard.score_batch(reward_fns, weights, prompts, responses, targets,
+                                                   timeout_s=cfg.rollout.reward_timeout_s, pool=pool, per_reward=True)
+    view = lambda x: torch.tensor(x, dtype=torch.float32).view(len(groups), -1)  # noqa: E731
+    return view(total), view(parts["math"]), stats
 
 
 def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_trainer=True):
@@ -105,10 +138,11 @@ def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_t
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
     if not is_trainer:
         return None
-    r, _ = score(greedy, held_out, {"math": reward_fns["math"]}, cfg)
+    math_only = {"math": reward_fns["math"]}
+    _, r, _ = score(greedy, held_out, math_only, None, cfg)
     out = {"eval/pass@1": float((r >= 1).float().mean())}
     if cfg.eval.pass_k:
-        rk, _ = score(sampled, held_out, {"math": reward_fns["math"]}, cfg)
+        _, rk, _ = score(sampled, held_out, math_only, None, cfg)
         out[f"eval/pass@{cfg.eval.pass_k}"] = float((rk >= 1).any(dim=1).float().mean())
     return out
 

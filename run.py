@@ -8,9 +8,14 @@ cut back to the checkpoint on resume, the progress line, W&B, plots), the end of
 skipped step, abort after too many), and the process exit (a config error is one line; a failed
 collective names the lost rank).
 """
+import dataclasses
+import importlib.util
+import inspect
 import json
 import math
+import os
 import random
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -25,27 +30,129 @@ import data
 import dist
 
 
-def resolve_model(path, make_tiny):
-    """A local dir as is; the tiny checkpoint made once under a file lock; else a hub download."""
-    if make_tiny:
+def help_text(sections):
+    """Every field as `--section.field=default  type  # comment`, the comments read from the dataclass source
+    (a comment-only line below a field continues its comment)."""
+    out = []
+    for name, obj in sections.items():
+        notes, last = {}, None
+        for line in inspect.getsource(type(obj)).splitlines():
+            if m := re.match(r"\s+(\w+)\s*:[^#]*(?:#\s*(.*))?$", line):
+                last, comment = m[1], m[2]
+            elif (m := re.match(r"\s+#\s*(.*)$", line)) and last:
+                comment = m[1]
+            else:
+                last = comment = None
+            if comment:
+                notes[last] = f"{notes[last]} {comment}" if last in notes else comment
+        out.append(f"\n[{name}]")
+        for f in dataclasses.fields(obj):
+            typ, note = getattr(f.type, "__name__", str(f.type)), notes.get(f.name)
+            out.append(f"  --{name}.{f.name}={getattr(obj, f.name)!r}".ljust(46) + f" {typ:6}" + (f" # {note}" if note else ""))
+    return "\n".join(out)
+
+
+def parse_cli(sections, argv):
+    """config.parse, then `--help`: every field with its default (after the config files, so what this run would
+    use), type and comment, then exit 0. `--print-config` is answered by print_config, after the trainer's checks."""
+    sections = config.parse(sections, argv)
+    if {"--help", "-h"} & set(argv):
+        print(f"usage: {Path(sys.argv[0]).name} [config.py ...] [--section.field=value ...] [--print-config] [--help]"
+              + help_text(sections))
+        raise SystemExit(0)
+    return sections
+
+
+def print_config(cfg, argv):
+    """With `--print-config`: print the resolved, validated config as JSON and say so (the caller exits)."""
+    if "--print-config" in argv:
+        print(json.dumps(config.to_dict(vars(cfg)), indent=2))
+    return "--print-config" in argv
+
+
+def resolve_model(path):
+    """The checkpoint directory to load. "tiny:<dir>": the tiny random checkpoint, made once there (under a file
+    lock: every local rank calls this) if missing. A local directory as is. Anything else is a hub name, downloaded
+    (the only branch that needs network); if that fails, nothing was created and the error names the path."""
+    if path.startswith("tiny:"):
         import fcntl
+        path = path.removeprefix("tiny:")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        with open(str(path) + ".lock", "w") as f:  # every local rank calls this; one creates it
+        with open(str(path) + ".lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             data.make_tiny_checkpoint(path, seed=0)
     if Path(path, "config.json").exists():
         return str(path)
-    from huggingface_hub import snapshot_download  # hub name: the only branch that needs network
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as e:
+        raise config.ConfigError(f"model.path={path!r}: no such local checkpoint, and the hub could not provide it "
+                                 f"({type(e).__name__}); a local path must hold config.json, and `tiny:{path}` would "
+                                 "make a random tiny model there") from None
 
 
-def check_model_path(path, make_tiny):
-    """Config check: a local-looking path must hold a checkpoint (a hub name "org/name" is downloaded later)."""
-    if not path:
-        raise config.ConfigError("model.path is empty: give a checkpoint directory or a hub name")
-    looks_local = path.startswith((".", "/")) or Path(path).exists() or path.count("/") != 1
-    if looks_local and not make_tiny and not Path(path, "config.json").exists():
-        raise config.ConfigError(f"model.path: no config.json in {path}")
+def check_model_path(path):
+    """Config check: "tiny:<dir>", a local checkpoint (config.json), or what looks like a hub name ("org/name" that
+    is not a local path; resolve_model downloads it and fails naming it)."""
+    if not path or path == "tiny:":
+        raise config.ConfigError("model.path is empty: give a checkpoint directory, a hub name or tiny:<dir>")
+    looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
+    if looks_local and not path.startswith("tiny:") and not Path(path, "config.json").exists():
+        raise config.ConfigError(f"model.path: no config.json in {path} (a checkpoint directory; `tiny:{path}` "
+                                 "would make a random tiny model there)")
+
+
+def load_object(spec, field):
+    """A callable named in the config: "package.module:Name" (importable) or "path/to/file.py:Name" (imported by its
+    file name, its directory put on sys.path, so a RewardPool worker can unpickle it). Else a ConfigError naming
+    the field: the module does not import, has no such name, or the name is not callable."""
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            file = Path(module_name).resolve()
+            if not file.is_file():
+                raise FileNotFoundError(f"no such file: {module_name}")
+            sys.path.insert(0, str(file.parent))
+            module = importlib.import_module(file.stem)
+            if Path(module.__file__).resolve() != file:  # e.g. a user file named data.py: nanoforge's own module
+                raise ImportError(f"module name {file.stem!r} is taken by {module.__file__}; rename the file")
+        else:
+            module = importlib.import_module(module_name)
+        obj = getattr(module, attr)
+    except Exception as e:  # ImportError, FileNotFoundError, AttributeError, or whatever the module raised
+        raise config.ConfigError(f"{field}: cannot load {spec!r} ({type(e).__name__}: {e})") from None
+    if not callable(obj):
+        raise config.ConfigError(f"{field}: {spec!r} is a {type(obj).__name__}, not a callable or class")
+    return obj
+
+
+def _looks_local(source):
+    return source.startswith((".", "/", "~")) or Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv")
+
+
+def check_data(d):
+    """Config check of a `data` section: a dataset is "arith", "gsm8k" or a user's loader "module:function" /
+    "file.py:function" (it imports); a source that names a local file or directory exists (a hub name is not
+    checked: it is downloaded when loaded)."""
+    if d.name not in ("arith", "gsm8k") and ":" not in d.name:
+        raise config.ConfigError(f"data.name={d.name!r} must be arith, gsm8k, or a loader 'package.module:function' "
+                                 "/ 'path/to/file.py:function' returning {question, solution, target} records")
+    if ":" in d.name:
+        load_object(d.name, "data.name")
+    for field in ("source", "eval_source"):
+        source = getattr(d, field)
+        if d.name != "arith" and source and _looks_local(source) and not Path(source).exists():
+            raise config.ConfigError(f"data.{field}: no such file or directory: {source}")
+
+
+def load_split(d, source, split):
+    """[{question, solution, target}] of one split of a non-synthetic dataset (every row checked, malformed ones
+    counted and skipped: data.keep_good). A user's loader is called as loader(source, split)."""
+    if d.name == "gsm8k":
+        return data.load_gsm8k(source, split, d.max_bad_fraction)
+    loader = load_object(d.name, "data.name")
+    return data.keep_good(loader(source, split), data.check_record, d.max_bad_fraction, f"{d.name} {source} [{split}]")
 
 
 def lr_lambda(warmup_steps, schedule, min_lr_ratio, horizon):
@@ -70,6 +177,20 @@ def make_optimizer(model, optim, horizon):
 def eval_due(step, cfg):
     """After step `step` (0-based): every `eval.every` steps, and always after the last one."""
     return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
+
+
+def check_logging(log):
+    """Config check: W&B and TensorBoard are an optional extra, pinned in requirements-extra.txt."""
+    for flag in ("wandb", "tensorboard"):
+        if getattr(log, flag) and importlib.util.find_spec(flag) is None:
+            raise config.ConfigError(f"log.{flag}=True needs `pip install {flag}`: the optional extra, pinned in "
+                                     "requirements-extra.txt (`make extras`, or pip install -r requirements-extra.txt)")
+    netrc = Path("~/.netrc").expanduser()
+    logged_in = os.environ.get("WANDB_API_KEY") or netrc.exists() and "api.wandb.ai" in netrc.read_text()
+    if log.wandb and os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not logged_in:
+        # wandb.init would fail only after the model is loaded
+        raise config.ConfigError("log.wandb=True: no W&B API key (run `wandb login` or set WANDB_API_KEY), "
+                                 "or set WANDB_MODE=offline to log to files only")
 
 
 def check_resume(resume):
@@ -136,12 +257,14 @@ def checkpoint_due(cfg, out, step, model, opt, sched, skipped, abort) -> int:
 
 class RunLog:
     """A run's outputs, written by global rank 0 (on other ranks every method is a no-op): the resolved config
-    (printed, and saved as config.json), one JSON row per step in metrics.jsonl (and W&B when asked for), other
-    .jsonl logs (`append`), a progress bar with one readable line per step (the `shown` keys), the PNG curves.
-    A fresh start empties the logs; a resume keeps their rows up to its checkpoint."""
+    (printed, and saved as config.json), one JSON row per step in metrics.jsonl, other .jsonl logs (`append`), a
+    progress bar with one readable line per step (the `shown` keys), the PNG curves, and when asked for W&B
+    (`log.wandb`; files under <out>/wandb, WANDB_MODE=offline works offline) and TensorBoard (`log.tensorboard`;
+    event files under <out>/tb): every row with the same step numbers, the resolved config attached. A fresh start
+    empties the logs; a resume keeps their rows up to its checkpoint."""
 
     def __init__(self, cfg, out, start, is_log, shown, logs=("metrics.jsonl",)):
-        self.out, self.is_log, self.shown, self.wandb = Path(out), is_log, shown, None
+        self.out, self.is_log, self.shown, self.wandb, self.tb = Path(out), is_log, shown, None, None
         self.out.mkdir(parents=True, exist_ok=True)
         if is_log:
             resolved = config.to_dict(vars(cfg))
@@ -149,19 +272,28 @@ class RunLog:
             (self.out / "config.json").write_text(json.dumps(resolved))
             for log in logs:
                 (self.out / log).write_text(read_log(self.out / log, start) if start else "")
-            if cfg.log.wandb:
-                import wandb  # optional extra, imported only when asked for (validate checked it is there)
-                self.wandb = wandb.init(project="nanoforge", name=cfg.log.run, config=resolved)
+            if cfg.log.wandb:  # optional extras, imported only when asked for (check_logging: they are there)
+                import wandb
+                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.run, dir=str(self.out),
+                                        config=resolved)
+            if cfg.log.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(self.out / "tb"))
+                self.tb.add_text("config", json.dumps(resolved, indent=2), global_step=start)
         from tqdm import tqdm
         self.bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
 
     def step(self, row, progress=True):
-        """Append the row to metrics.jsonl (and W&B); with `progress`, advance the bar and print the line."""
+        """Append the row to metrics.jsonl (and W&B, TensorBoard); with `progress`, advance the bar and print."""
         if not self.is_log:
             return
         self.append("metrics.jsonl", row)
         if self.wandb:
             self.wandb.log(row, step=row["step"])
+        if self.tb:
+            for k, v in row.items():
+                if k != "step":
+                    self.tb.add_scalar(k, v, global_step=row["step"])
         if progress:
             self.bar.update(1)
             self.write(" ".join(f"{k.split('/')[-1]}={row[k]:.4g}" for k in self.shown if k in row))
@@ -182,6 +314,10 @@ class RunLog:
 
     def close(self):
         self.bar.close()
+        if self.wandb:
+            self.wandb.finish()
+        if self.tb:
+            self.tb.close()
 
 
 @contextmanager

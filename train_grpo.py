@@ -31,7 +31,6 @@ Launch lines:
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
-import importlib.util
 import math
 import os
 import sys
@@ -60,19 +59,18 @@ import weight_sync
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Model:
-    path: str = ""                  # HF checkpoint dir (config.json + safetensors) or a hub name
+    path: str = ""                  # HF checkpoint dir, a hub name, or "tiny:<dir>" (tiny random model, made if missing)
     dtype: str = "float32"          # trainer params: float32 | bfloat16 (bf16 params, fp32 reduce)
-    make_tiny: bool = False         # create a tiny random checkpoint at `path` if missing (CPU)
 
 
 @dataclass
 class Data:
-    name: str = "arith"             # arith (synthetic, CPU) | gsm8k
-    source: str = "openai/gsm8k"    # gsm8k train split: hub name or local .jsonl/.parquet
-    eval_source: str = ""           # gsm8k held-out split: "" = the hub's test split
+    name: str = "arith"             # arith (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
+    source: str = "openai/gsm8k"    # train split: hub name or local .jsonl/.parquet (gsm8k); any string (own loader)
+    eval_source: str = ""           # held-out split: "" = `source` with split "test"
     instruction: str = ""           # appended to every gsm8k question (e.g. "put the answer in \\boxed{}")
     min_digits: int = 2             # arith: operand size of RL and eval problems
-    max_digits: int = 2
+    max_digits: int = 2             # arith: largest operand size
     max_prompt_tokens: int = 512    # longer prompts are dropped or truncated (counted in the log)
     long_prompts: str = "drop"      # drop | truncate (keeps the last tokens: the generation prompt survives)
     max_bad_fraction: float = 0.01  # gsm8k: skip malformed rows (counted, first shown); abort above this fraction
@@ -83,14 +81,16 @@ class Rollout:
     prompts_per_step: int = 32      # B: prompts per optimizer step (global)
     group_size: int = 8             # G: samples per prompt
     temperature: float = 1.0        # sampling temperature; logprobs are of the tempered policy
-    top_p: float = 1.0
-    top_k: int = -1
+    top_p: float = 1.0              # nucleus sampling (1.0 = off; logprobs then ignore the truncation)
+    top_k: int = -1                 # top-k sampling (-1 = off)
     max_tokens: int = 40            # response budget; also DAPO's L_max and Dr.GRPO's C
     backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: vllm on GPU, torch on CPU
     kv_cache_mb: int = 128          # vLLM KV cache per engine, set explicitly (not a RAM fraction)
     max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal
     overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
+    rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
+                                    # math | think | format | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
     reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
     reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
 
@@ -107,19 +107,19 @@ class Loss:
 
 @dataclass
 class Optim:
-    lr: float = 3e-4
-    betas: tuple = (0.9, 0.99)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 3e-4                # peak learning rate (AdamW)
+    betas: tuple = (0.9, 0.99)      # AdamW (beta1, beta2)
+    weight_decay: float = 0.0       # AdamW decoupled weight decay
+    warmup_steps: int = 0           # linear warmup from 0
     schedule: str = "constant"      # constant | cosine (to min_lr_ratio * lr)
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    min_lr_ratio: float = 0.1       # cosine: final lr = min_lr_ratio * lr
+    grad_clip: float = 1.0          # global grad-norm clip (over all FSDP/TP shards)
 
 
 @dataclass
 class Train:
     steps: int = 200                # optimizer steps (one rollout batch each)
-    seed: int = 0
+    seed: int = 0                   # data order, sampling and init all derive from (seed, step)
     ppo_epochs: int = 1             # passes over each rollout batch
     minibatches: int = 1            # optimizer steps per epoch = minibatches
     micro_batch: int = 64           # sequences per forward/backward (gradient accumulation)
@@ -134,7 +134,7 @@ class Dist:
     sync_interval: int = 1          # sync weights to generators every N steps
     sync_bucket_mb: int = 64        # broadcast bucket size
     timeout_s: float = 600.0        # every collective; a dead rank surfaces within this
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
 
 
 @dataclass
@@ -148,9 +148,11 @@ class Eval:
 class Log:
     run: str = "grpo"               # outputs go to <out_dir>/<run>/: metrics.jsonl, prompts.jsonl (each step's
                                     # prompt ids: what a resume must replay), config.json, curves.png, ckpt/, hf/
-    out_dir: str = "out"
+    out_dir: str = "out"            # outputs under <out_dir>/<run>/
     plot_every: int = 25            # refresh PNG plots every N steps
-    wandb: bool = False             # needs `pip install wandb`; WANDB_MODE=offline works offline
+    wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
+    wandb_project: str = "nanoforge"  # W&B project
+    tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
 
 
 @dataclass
@@ -162,7 +164,7 @@ class Ckpt:
 def parse_config(argv):
     sections = dict(model=Model(), data=Data(), rollout=Rollout(), loss=Loss(), optim=Optim(),
                     train=Train(), dist=Dist(), eval=Eval(), log=Log(), ckpt=Ckpt())
-    return SimpleNamespace(**config.parse(sections, argv))  # cfg.loss.beta, not cfg["loss"].beta
+    return SimpleNamespace(**run.parse_cli(sections, argv))  # cfg.loss.beta, not cfg["loss"].beta
 
 
 def validate(cfg, world_size):
@@ -171,7 +173,6 @@ def validate(cfg, world_size):
     c = cfg
     for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
             ("model.dtype", c.model.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
-            ("data.name", c.data.name in ("arith", "gsm8k"), "arith or gsm8k"),
             ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits, ">= 1 and <= data.max_digits"),
             ("data.max_prompt_tokens", c.data.max_prompt_tokens >= 1, ">= 1"),
             ("data.long_prompts", c.data.long_prompts in ("drop", "truncate"), "drop or truncate"),
@@ -218,6 +219,9 @@ def validate(cfg, world_size):
             section, key = name.split(".")
             raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
     run.check_resume(cfg.ckpt.resume)
+    run.check_data(cfg.data)
+    run.check_logging(cfg.log)
+    rollout.reward_specs(cfg.rollout.rewards)  # every named reward imports
     if cfg.loss.name not in losses.LOSSES:
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
     try:
@@ -238,9 +242,7 @@ def validate(cfg, world_size):
     if cfg.rollout.prompts_per_step % dp:
         raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
                   f"data-parallel size {dp}")
-    if cfg.log.wandb and importlib.util.find_spec("wandb") is None:
-        raise err("log.wandb=True needs `pip install wandb` (an optional extra; WANDB_MODE=offline works offline)")
-    run.check_model_path(cfg.model.path, cfg.model.make_tiny)
+    run.check_model_path(cfg.model.path)
 
 
 def loss_kwargs(cfg):
@@ -262,9 +264,8 @@ def load_tasks(cfg, tok):
         train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
                                 max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
     else:
-        train = data.load_gsm8k(cfg.data.source, "train", cfg.data.max_bad_fraction)
-        held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test",
-                                   cfg.data.max_bad_fraction)[:cfg.eval.num_problems]
+        train = run.load_split(cfg.data, cfg.data.source, "train")
+        held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
     num_long, L = 0, cfg.data.max_prompt_tokens
     for split in (train, held_out):
         keep = []
@@ -394,11 +395,11 @@ def mismatch(train_logp, gen_logp, mask):
             "mismatch/kl": float(masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
 
 
-def step_metrics(parts, r, lengths, groups, batch, step, sched, skipped_total, num_dropped, cfg, dp_group, dp):
+def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped_total, num_dropped, cfg, dp_group, dp):
     """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
     statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
     row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
-           "rollout/accuracy": float((r >= 1).float().mean()),
+           "rollout/accuracy": float((correct >= 1).float().mean()),  # the "math" reward, whatever else is summed
            "rollout/response_len": float(lengths.mean()),
            "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
                                            / lengths.numel()),
@@ -419,8 +420,11 @@ STATS = ("loss/total", "train/grad_norm", "rollout/reward_mean", "rollout/respon
 
 def main(argv=None):
     # ---- 1. config: parsed and validated before anything heavy happens ----------------------------
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse_config(argv)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    if run.print_config(cfg, argv):  # --print-config: nothing is loaded
+        return
     roles = dist.get_roles(cfg.dist.generator_ranks)
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
@@ -428,7 +432,7 @@ def main(argv=None):
     B, G, T = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
 
     # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
-    path = run.resolve_model(cfg.model.path, cfg.model.make_tiny)
+    path = run.resolve_model(cfg.model.path)
     tok = data.Tokenizer(path)
     gen = None
     if roles.is_generator or roles.colocated:
@@ -439,7 +443,7 @@ def main(argv=None):
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = weight_sync.sync_group(roles)
     train, held_out, num_dropped = load_tasks(cfg, tok)
-    reward_fns = rollout.make_rewards(cfg)
+    reward_fns, weights = rollout.make_rewards(cfg)
     pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
         if cfg.rollout.reward_workers and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
@@ -489,7 +493,7 @@ def main(argv=None):
         problems, groups = problems[lo:hi], groups[lo:hi]
         # 4c. rewards (B/dp, G)
         with run.timed(perf, "perf/reward_s"):
-            r, rstats = rollout.score(groups, problems, reward_fns, cfg, pool)
+            r, correct, rstats = rollout.score(groups, problems, reward_fns, weights, cfg, pool)  # total, math
             lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
         # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
         adv = advantages(r, cfg, lengths)
@@ -524,10 +528,11 @@ def main(argv=None):
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
         row = step_metrics({**m, **rstats, **mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync, **perf},
-                           r, lengths, groups, batch, s, sched, skipped_total, num_dropped, cfg,
+                           r, correct, lengths, groups, batch, s, sched, skipped_total, num_dropped, cfg,
                            mesh["dp_shard"].get_group(), dp)
         if run.eval_due(s, cfg):
-            row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
+            with run.timed(row, "perf/eval_s"):
+                row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
         abort = skipped_run >= cfg.train.max_skipped_steps
         num_failed_saves += run.checkpoint_due(cfg, out, s + 1, model, opt, sched, (skipped_total, skipped_run), abort)
         row["ckpt/failed_saves"] = float(num_failed_saves)

@@ -60,21 +60,20 @@ import run
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Model:
-    path: str = ""                  # HF checkpoint dir (config.json + safetensors) or a hub name
+    path: str = ""                  # HF checkpoint dir, a hub name, or "tiny:<dir>" (tiny random model, made if missing)
     dtype: str = "float32"          # trainer params: float32 | bfloat16 (bf16 params, fp32 reduce)
-    make_tiny: bool = False         # create a tiny random checkpoint at `path` if missing (CPU)
 
 
 @dataclass
 class Data:
-    name: str = "arith"             # arith (synthetic, CPU) | gsm8k
-    source: str = "openai/gsm8k"    # gsm8k train split: hub name or local .jsonl/.parquet
-    eval_source: str = ""           # gsm8k held-out split: "" = the hub's test split
+    name: str = "arith"             # arith (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
+    source: str = "openai/gsm8k"    # train split: hub name or local .jsonl/.parquet (gsm8k); any string (own loader)
+    eval_source: str = ""           # held-out split: "" = `source` with split "test"
     instruction: str = ""           # appended to every question
     min_digits: int = 1             # arith: operand size of the training problems
-    max_digits: int = 2
+    max_digits: int = 2             # arith: largest operand size
     eval_min_digits: int = 2        # arith: operand size of the held-out problems (what GRPO trains on)
-    eval_max_digits: int = 2
+    eval_max_digits: int = 2        # arith: largest held-out operand size
     pack_len: int = 512             # tokens per packed row; 0 = one example per (padded) row
     max_seq_tokens: int = 512       # longer examples are truncated (counted in the log)
     max_bad_fraction: float = 0.01  # gsm8k: skip malformed rows (counted, first shown); abort above this fraction
@@ -82,20 +81,20 @@ class Data:
 
 @dataclass
 class Optim:
-    lr: float = 2e-5
-    betas: tuple = (0.9, 0.95)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    lr: float = 2e-5                # peak learning rate (AdamW)
+    betas: tuple = (0.9, 0.95)      # AdamW (beta1, beta2)
+    weight_decay: float = 0.0       # AdamW decoupled weight decay
+    warmup_steps: int = 0           # linear warmup from 0
     schedule: str = "cosine"        # constant | cosine (to min_lr_ratio * lr)
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1       # cosine: final lr = min_lr_ratio * lr
     schedule_steps: int = 0         # cosine horizon; 0 = train.steps (set it when stopping early by design)
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0          # global grad-norm clip (over all FSDP/TP shards)
 
 
 @dataclass
 class Train:
     steps: int = 1000               # optimizer steps
-    seed: int = 0
+    seed: int = 0                   # data order, sampling and init all derive from (seed, step)
     batch_size: int = 64            # N: examples per optimizer step (global)
     micro_batch: int = 8            # packed rows per forward/backward (gradient accumulation)
     max_skipped_steps: int = 5      # consecutive non-finite steps before the run aborts
@@ -106,7 +105,7 @@ class Train:
 class Dist:
     tp: int = 1                     # tensor parallel degree inside the trainer mesh
     timeout_s: float = 600.0        # every collective; a dead rank surfaces within this
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
 
 
 @dataclass
@@ -115,15 +114,17 @@ class Eval:
     num_problems: int = 200         # held-out problems: token-mean loss and greedy pass@1
     max_tokens: int = 40            # generation budget of the greedy eval
     stop_at_accuracy: float = 0.0   # >0: stop at the first eval (step >= min_step) with pass@1 >= this
-    min_step: int = 0
+    min_step: int = 0               # stop_at_accuracy is checked only from this step on
 
 
 @dataclass
 class Log:
     run: str = "sft"                # outputs go to <out_dir>/<run>/ (nested names like demo/sft work)
-    out_dir: str = "out"
+    out_dir: str = "out"            # outputs under <out_dir>/<run>/
     plot_every: int = 25            # refresh PNG plots every N steps
-    wandb: bool = False             # needs `pip install wandb`; WANDB_MODE=offline works offline
+    wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
+    wandb_project: str = "nanoforge"  # W&B project
+    tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
 
 
 @dataclass
@@ -135,7 +136,7 @@ class Ckpt:
 def parse_config(argv):
     sections = dict(model=Model(), data=Data(), optim=Optim(), train=Train(), dist=Dist(), eval=Eval(),
                     log=Log(), ckpt=Ckpt())
-    return SimpleNamespace(**config.parse(sections, argv))  # cfg.optim.lr, not cfg["optim"].lr
+    return SimpleNamespace(**run.parse_cli(sections, argv))  # cfg.optim.lr, not cfg["optim"].lr
 
 
 def validate(cfg, world_size):
@@ -147,7 +148,6 @@ def validate(cfg, world_size):
         raise config.ConfigError(f"train.batch_size={c.train.batch_size} is not divisible by the data-parallel "
                                  f"size {world_size // c.dist.tp}")
     for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
-            ("data.name", c.data.name in ("arith", "gsm8k"), "arith or gsm8k"),
             ("data.max_seq_tokens", c.data.max_seq_tokens >= 1, ">= 1"),
             ("data.pack_len", c.data.pack_len == 0 or c.data.pack_len >= c.data.max_seq_tokens,
              f"0 or >= data.max_seq_tokens={c.data.max_seq_tokens}"),
@@ -167,7 +167,9 @@ def validate(cfg, world_size):
             section, key = name.split(".")
             raise config.ConfigError(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
     run.check_resume(cfg.ckpt.resume)
-    run.check_model_path(cfg.model.path, cfg.model.make_tiny)
+    run.check_data(cfg.data)
+    run.check_logging(cfg.log)
+    run.check_model_path(cfg.model.path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,9 +185,8 @@ def load_tasks(cfg):
                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
         grpo_test = data.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
         return None, held_out, {p["question"] for p in held_out + grpo_test}
-    held_out = data.load_gsm8k(cfg.data.eval_source or cfg.data.source, "test",
-                               cfg.data.max_bad_fraction)[:cfg.eval.num_problems]
-    return data.load_gsm8k(cfg.data.source, "train", cfg.data.max_bad_fraction), held_out, set()
+    held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
+    return run.load_split(cfg.data, cfg.data.source, "train"), held_out, set()
 
 
 def step_examples(train, step, batch, seed, cfg, exclude):
@@ -237,8 +238,11 @@ STATS = ("sft/loss", "train/grad_norm")  # said on a skipped step
 
 def main(argv=None):
     # ---- 1. config: parsed and validated before anything heavy happens ----------------------------
-    cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse_config(argv)
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    if run.print_config(cfg, argv):  # --print-config: nothing is loaded
+        return
     roles = dist.get_roles(0)  # SFT has no generator ranks: every rank trains
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
@@ -246,7 +250,7 @@ def main(argv=None):
     N = cfg.train.batch_size
 
     # ---- 2. dist init and data -------------------------------------------------------------------
-    path = run.resolve_model(cfg.model.path, cfg.model.make_tiny)
+    path = run.resolve_model(cfg.model.path)
     tok = data.Tokenizer(path)
     dist.init_distributed(roles, cfg.dist.timeout_s)
     mesh = dist.trainer_mesh(roles, roles.world_size // cfg.dist.tp, cfg.dist.tp)

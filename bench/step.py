@@ -65,11 +65,10 @@ def run_grpo(overrides, steps, out_dir, nproc=2, config="configs/tiny.py", timeo
     ckpt None: the random tiny checkpoint, made in out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    make_tiny = ckpt is None
-    ckpt = out_dir / "ckpt" if make_tiny else ckpt
+    ckpt = f"tiny:{out_dir / 'ckpt'}" if ckpt is None else ckpt
     # several ranks: the last one runs vLLM (configs/tiny.py's own default is one process, the torch generator)
     layout = ["--dist.generator_ranks=1", "--rollout.backend=vllm"] if nproc > 1 else []
-    args = [config, f"--model.path={ckpt}", f"--model.make_tiny={make_tiny}", f"--train.steps={steps}",
+    args = [config, f"--model.path={ckpt}", f"--train.steps={steps}",
             "--eval.every=0", "--eval.num_problems=8", "--log.run=run", f"--log.out_dir={out_dir}",
             "--log.plot_every=1000000", *layout, *overrides]
     env = {**os.environ, "NF_BENCH_OUT": str(out_dir), "TQDM_DISABLE": "1"}

@@ -82,7 +82,7 @@ def trl_worker(a):
     import rewards
     import train_grpo
     B = a.prompts
-    cfg = train_grpo.parse_config(["configs/tiny.py", f"--model.path={a.ckpt}", "--model.make_tiny=false",
+    cfg = train_grpo.parse_config(["configs/tiny.py", f"--model.path={a.ckpt}",
                                    f"--rollout.prompts_per_step={B}"])
     train, _, _ = train_grpo.load_tasks(cfg, data.Tokenizer(a.ckpt))
     problems = [p for s in range(a.steps) for p in data.step_batch(train, s, B, cfg.train.seed)]

@@ -4,8 +4,7 @@
 # AdamW (0.9, 0.98), lr 2e-3, 30 warmup steps, cosine to 10% over 1500 steps, clip 1.0. Accuracy on 2-digit
 # held-out problems jumps at a seed-dependent step, so the run stops on a dev accuracy target instead of a
 # step count: GRPO (configs/tiny.py) needs a start between ~0.2 and ~0.7 to have room to improve.
-model.path = "out/tiny/init"
-model.make_tiny = True              # random init + the task's tokenizer, made on first use
+model.path = "tiny:out/tiny/init"  # random init + the task's tokenizer, made there on first use
 data.name = "arith"
 data.min_digits = 1                 # SFT on 1-2 digit operands ...
 data.max_digits = 2

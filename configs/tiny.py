@@ -7,8 +7,7 @@
 # (a fresh clone needs no prior step; that model answers nothing right, so reward stays ~0).
 import os
 
-model.path = "out/demo/sft/hf" if os.path.exists("out/demo/sft/hf/config.json") else "out/tiny/init"
-model.make_tiny = model.path == "out/tiny/init"
+model.path = "out/demo/sft/hf" if os.path.exists("out/demo/sft/hf/config.json") else "tiny:out/tiny/init"
 data.name = "arith"
 data.min_digits = 2                 # RL and eval on 2-digit operands (SFT saw 1-2 digits)
 rollout.prompts_per_step = 32       # B

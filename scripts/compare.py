@@ -73,7 +73,7 @@ def start_checkpoint(out_dir, seed):
     out.mkdir(parents=True, exist_ok=True)
     demo.run_phase("SFT (start checkpoint)", [sys.executable, "train_sft.py", "configs/sft_tiny.py",
                    f"--log.out_dir={out_dir}", "--log.run=compare/sft", f"--train.seed={seed}",
-                   f"--model.path={out_dir}/tiny/init", "--model.make_tiny=true"], out / "sft.log")
+                   f"--model.path=tiny:{out_dir}/tiny/init"], out / "sft.log")
     return out / "sft" / "hf"
 
 
@@ -142,7 +142,7 @@ def main(argv=None):
     for name in names:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "train_grpo.py", "configs/tiny.py", f"--log.out_dir={args.out_dir}", f"--log.run=compare/{name}",
-               f"--model.path={start}", "--model.make_tiny=false", f"--train.seed={args.seed}",
+               f"--model.path={start}", f"--train.seed={args.seed}",
                f"--train.steps={args.steps}", *SHARED,
                f"--loss.name={name}", *KNOBS.get(name, []), *shared]
         t0 = time.perf_counter()

@@ -180,11 +180,11 @@ def main(argv=None):
     t_all = time.perf_counter()
     # 1. SFT from a random init (made on the spot; the tokenizer is trained deterministically)
     sft_cmd = [sys.executable, "train_sft.py", "configs/sft_tiny.py", *common, "--log.run=demo/sft",
-               f"--model.path={args.out_dir}/tiny/init", "--model.make_tiny=true", *SFT_ARGS, *sft_extra]
+               f"--model.path=tiny:{args.out_dir}/tiny/init", *SFT_ARGS, *sft_extra]
     sft_s = run_phase("SFT", sft_cmd, out / "sft.log")
     # 2. GRPO from the SFT export, in one process: configs/tiny.py's CPU default (the torch generator colocated)
     grpo_cmd = [sys.executable, "train_grpo.py", "configs/tiny.py", *common, "--log.run=demo/grpo",
-                f"--model.path={out}/sft/hf", "--model.make_tiny=false", *GRPO_ARGS, *grpo_extra]
+                f"--model.path={out}/sft/hf", *GRPO_ARGS, *grpo_extra]
     grpo_s = run_phase("GRPO", grpo_cmd, out / "grpo.log")
     sft_rows, grpo_rows = read_metrics(out / "sft"), read_metrics(out / "grpo")
     summary = summarize(sft_rows, grpo_rows, sft_s, grpo_s, out)

@@ -99,7 +99,7 @@ def sigkill_time(log):
 @pytest.fixture(scope="module")
 def sft(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("faults")
-    common = [*SFT, f"--model.path={tiny_ckpt}", "--model.make_tiny=false", "--ckpt.resume=auto"]
+    common = [*SFT, f"--model.path={tiny_ckpt}", "--ckpt.resume=auto"]
     straight = ok(launch("train_sft.py", common, out, "sft", fault="nan@3"))
     killed = launch("train_sft.py", common, out, "sft_k", fault=f"nan@3,kill_ckpt@{2 * SFT_CKPT}")
     ckpts = checkpoints(out, "sft_k")
@@ -135,7 +135,7 @@ def test_sft_sigkill_mid_checkpoint_then_resume_is_exact(sft):
 def test_sft_failed_checkpoint_write_nan_abort_and_nothing_to_resume(tmp_path, tiny_ckpt):
     """One cheap 1-process run: the step-4 checkpoint hits ENOSPC (reported, the run goes on, step_2 stays the
     newest valid one), then steps 5 and 6 are NaN and max_skipped_steps=2 aborts with a message after logging."""
-    args = [*SFT, f"--model.path={tiny_ckpt}", "--model.make_tiny=false", "--train.steps=8", "--ckpt.every=2",
+    args = [*SFT, f"--model.path={tiny_ckpt}", "--train.steps=8", "--ckpt.every=2",
             "--train.max_skipped_steps=2", "--train.deterministic=false"]
     rc, log, _, _ = launch("train_sft.py", args, tmp_path, "f", nproc=1, fault="enospc@4,nan@4,nan@5")
     assert rc != 0
@@ -161,7 +161,7 @@ def test_sft_failed_checkpoint_write_nan_abort_and_nothing_to_resume(tmp_path, t
 @pytest.fixture(scope="module")
 def grpo(sft):
     out = sft["out"]
-    common = [*GRPO, f"--model.path={out / 'sft' / 'hf'}", "--model.make_tiny=false", "--ckpt.resume=auto"]
+    common = [*GRPO, f"--model.path={out / 'sft' / 'hf'}", "--ckpt.resume=auto"]
     res = {"ref": ok(launch("train_grpo.py", common, out, "rl", fault="nan@2"))}
     res["kill_gen"] = launch("train_grpo.py", common, out, "rl_k", fault="nan@2,kill_gen@3")
     res["ckpts_gen"] = checkpoints(out, "rl_k")
@@ -278,7 +278,7 @@ def test_dead_node_does_not_hang_the_other(sft, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     timeout_s = 20
-    args = [*GRPO, f"--model.path={sft['out'] / 'sft' / 'hf'}", "--model.make_tiny=false", "--train.steps=3",
+    args = [*GRPO, f"--model.path={sft['out'] / 'sft' / 'hf'}", "--train.steps=3",
             "--ckpt.every=0", f"--dist.timeout_s={timeout_s}", f"--log.out_dir={tmp_path}", "--log.run=mn"]
     env = {**{k: v for k, v in os.environ.items() if k != "NANOFORGE_FAULT"}, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",

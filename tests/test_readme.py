@@ -91,3 +91,26 @@ def test_readme_cpu_blocks_run(tmp_path):
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2, 3], run
         assert (tmp_path / run / "hf" / "config.json").exists(), run
+
+
+def test_readme_reward_config_runs_without_editing_nanoforge(tmp_path):
+    """The README's reward, saved as the user's own file, named in a config: two GRPO steps, scored in a RewardPool
+    worker (which must import the file by name), and the logged total is the weighted sum of the logged parts."""
+    import json
+    import subprocess
+    import sys
+    (tmp_path / "my_rewards.py").write_text(readme_block("new-reward"))
+    line = readme_block("reward-config").replace("my_rewards.py:", f"{tmp_path}/my_rewards.py:")
+    (tmp_path / "rewards_cfg.py").write_text(line.replace("'max_words': 200", "'max_words': 20")
+                                             .replace('"max_words": 200', '"max_words": 20'))
+    res = subprocess.run([sys.executable, "train_grpo.py", "configs/tiny.py", str(tmp_path / "rewards_cfg.py"),
+                          f"--model.path=tiny:{tmp_path}/init", "--train.steps=2", "--rollout.prompts_per_step=4",
+                          "--eval.num_problems=8", "--rollout.reward_workers=1", f"--log.out_dir={tmp_path}",
+                          "--log.run=rw"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "rw" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(steps) == 2
+    for row in steps:
+        assert row["rewards/ConcisenessReward_errors"] == 0 and row["rewards/ConcisenessReward_timeouts"] == 0
+        assert row["rollout/reward_mean"] == pytest.approx(row["rewards/math_mean"]
+                                                          + 0.2 * row["rewards/ConcisenessReward_mean"], abs=1e-6)

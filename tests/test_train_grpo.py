@@ -41,7 +41,7 @@ def start_ckpt(tiny_ckpt):
 
 def test_dedicated_generator_rank_and_resume(tmp_path, start_ckpt):
     """1 trainer + 1 vLLM rank, 4 steps with checkpoints every 2, then resume from step 2: steps 3-4 agree."""
-    common = [f"--model.path={start_ckpt}", "--model.make_tiny=false", "--train.steps=4", "--ckpt.every=2",
+    common = [f"--model.path={start_ckpt}", "--train.steps=4", "--ckpt.every=2",
               "--train.deterministic=true", "--optim.weight_decay=0.5", "--optim.lr=0.01"]
     run([*common, "--log.run=a"], tmp_path)
     rows = metrics(tmp_path / "a" / "metrics.jsonl")
@@ -69,7 +69,7 @@ def test_dedicated_generator_rank_and_resume(tmp_path, start_ckpt):
 
 def test_hf_export_loads_in_vllm_and_matches(tmp_path, start_ckpt):
     """Colocated mode (plain python, vLLM in the trainer's process); its export opens in model.py."""
-    run([f"--model.path={start_ckpt}", "--model.make_tiny=false", "--train.steps=2", "--dist.generator_ranks=0",
+    run([f"--model.path={start_ckpt}", "--train.steps=2", "--dist.generator_ranks=0",
          "--log.run=c"], tmp_path, nproc=0)
     rows = [r for r in metrics(tmp_path / "c" / "metrics.jsonl") if "perf/step_s" in r]
     assert len(rows) == 2 and all(math.isfinite(r["loss/entropy"]) for r in rows)
@@ -102,7 +102,7 @@ def test_multinode_rendezvous_two_agents(tmp_path, start_ckpt):
     cmd = lambda node: [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",  # noqa
                         f"--node_rank={node}", f"--master_addr=127.0.0.1", f"--master_port={port}",
                         "train_grpo.py", "configs/tiny.py", *SMALL, f"--log.out_dir={tmp_path}",
-                        f"--model.path={start_ckpt}", "--model.make_tiny=false", "--train.steps=2", "--log.run=mn"]
+                        f"--model.path={start_ckpt}", "--train.steps=2", "--log.run=mn"]
     procs = [subprocess.Popen(cmd(n), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for n in (0, 1)]
     outs = [p.communicate(timeout=420)[0] for p in procs]

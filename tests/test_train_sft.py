@@ -107,7 +107,7 @@ def metrics(tmp, name):
 @pytest.fixture(scope="module")
 def straight(tiny_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft")
-    run([*RUN_ARGS, f"--model.path={tiny_ckpt}", "--model.make_tiny=false", "--log.run=nested/straight"], tmp)
+    run([*RUN_ARGS, f"--model.path={tiny_ckpt}", "--log.run=nested/straight"], tmp)
     return tmp, metrics(tmp, "nested/straight")
 
 
@@ -137,7 +137,7 @@ def test_loss_drops_and_export_matches(straight, tiny_ckpt):
 @pytest.mark.slow
 def test_resume_is_exact(straight, tiny_ckpt):
     tmp, rows = straight
-    common = [*RUN_ARGS, f"--model.path={tiny_ckpt}", "--model.make_tiny=false", "--log.run=resumed",
+    common = [*RUN_ARGS, f"--model.path={tiny_ckpt}", "--log.run=resumed",
               f"--optim.schedule_steps={STEPS}", f"--ckpt.every={STEPS // 2}"]
     run([*common, f"--train.steps={STEPS // 2}"], tmp)
     assert (tmp / f"resumed/ckpt/step_{STEPS // 2}/COMPLETE").exists()
@@ -150,7 +150,7 @@ def test_resume_is_exact(straight, tiny_ckpt):
 @pytest.mark.slow
 def test_two_ranks_match_one(straight, tiny_ckpt):
     tmp, rows = straight
-    run([*RUN_ARGS, f"--model.path={tiny_ckpt}", "--model.make_tiny=false", "--log.run=two", "--eval.every=0"],
+    run([*RUN_ARGS, f"--model.path={tiny_ckpt}", "--log.run=two", "--eval.every=0"],
         tmp, nproc=2)
     two = [r for r in metrics(tmp, "two") if "sft/loss" in r]
     one = [r for r in rows if "sft/loss" in r]
