@@ -130,3 +130,14 @@ def test_bf16_trains_logs_mismatch_and_tis_engages(tmp_path, start_ckpt):
         assert 1e-4 < b["mismatch/abs_diff"] < 0.1 and f["mismatch/abs_diff"] < 1e-5  # logged, and bf16's is real
         assert b["loss/tis_capped_frac"] > 0.01 and f["loss/tis_capped_frac"] == 0  # the cap engages on bf16's
         assert b["loss/tis_weight_mean"] < 1.0
+
+
+def test_bench_gpu_cpu_smoke():
+    """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main, then the MFU,
+    logprob-memory and generator probes) at toy sizes on CPU, so the script is known to run before a GPU sees it."""
+    res = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU",
+                "trainer TFLOP/s, MFU", "logprob peak, T=64 fwd+bwd", "torch generator"):
+        assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
