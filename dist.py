@@ -10,18 +10,19 @@ its own generator and weights are handed over in-process (the single-GPU and CPU
     sync       rank 0 --- broadcast buckets ---> every generator     (group {0} + generators)
 
 Devices and environment (rank_env, applied by get_roles before anything touches CUDA). A rank that hosts a vLLM
-engine (every generator rank; every rank when colocated with vLLM) gets CUDA_VISIBLE_DEVICES = its LOCAL_RANK-th visible GPU,
-so the engine, its NCCL groups and ours all run on that rank's cuda:0. Why not LOCAL_RANK alone: an in-process engine
-takes cuda:0 whatever torch.cuda.set_device said (vLLM 0.32 v1/executor/uniproc_executor.py
+engine (every generator rank; every rank when colocated with vLLM) gets CUDA_VISIBLE_DEVICES = its LOCAL_RANK-th
+visible GPU, so the engine, its NCCL groups and ours all run on that rank's cuda:0. Why: an in-process engine takes
+cuda:0 whatever torch.cuda.set_device said (vLLM 0.32: v1/executor/uniproc_executor.py
 UniProcExecutor._distributed_args reads the index from device_config.device, which config/device.py
-DeviceConfig.__post_init__ strips; v1/worker/gpu_worker.py Worker.init_device then sets that device). Why not vLLM's
-device_ids argument or an executor subclass: hiding the other GPUs also keeps every library in that process (CUDA
-graphs, Triton, NCCL) off them, and a trainer stays on cuda:LOCAL_RANK, so the two never share a GPU as long as a node
-has a GPU per local rank (check_gpu_layout, called by the trainers' validate()). NCCL variables are set the same on
-every rank before init_process_group: vLLM 0.32's Worker.init_device pops NCCL_ASYNC_ERROR_HANDLING on its ranks only,
-and earlier vLLM set NCCL_CUMEM_ENABLE=0 on import (0.32's env_override.py no longer does; it sets
-PYTORCH_NVML_BASED_CUDA_CHECK=1, which keeps torch.cuda.is_available() from initialising CUDA). A rank whose NCCL
-settings differ from its peers' can hang or fail in the first broadcast between them.
+DeviceConfig.__post_init__ strips; v1/worker/gpu_worker.py Worker.init_device then sets that device). Why not 0.32's
+device_ids argument (engine/arg_utils.py EngineArgs._resolve_device_ids) or an executor subclass: hiding the other
+GPUs keeps every library in that process (CUDA graphs, Triton, NCCL, memory profiling) off them. Trainers stay on
+cuda:LOCAL_RANK, so no two ranks share a GPU as long as a node has a GPU per local rank (check_gpu_layout, called by
+validate()). NCCL variables are set the same on every rank before init_process_group: 0.32's Worker.init_device pops
+NCCL_ASYNC_ERROR_HANDLING on its ranks only, and other vLLM releases set NCCL_CUMEM_ENABLE=0 on import
+(../shared/notes/vllm-gpu.md; 0.32's env_override.py does not, it sets PYTORCH_NVML_BASED_CUDA_CHECK=1, which keeps
+torch.cuda.is_available() from initialising CUDA). Ranks whose NCCL settings differ can hang or fail in their first
+broadcast.
 
 Start order. vLLM's in-process engine creates its own private 1-rank default process group; if the world group
 already exists it adopts it instead and makes its internal `new_group` calls on it, which are collective over the

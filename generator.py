@@ -148,7 +148,8 @@ def engine_args(device_type, *, colocated, kv_cache_memory_bytes, gpu_memory_uti
                          f"{int(free_bytes / total_bytes * 100) / 100}")
     if kv_cache_memory_bytes >= u * total_bytes:
         raise ValueError(f"rollout.kv_cache_mb={kv_cache_memory_bytes >> 20} does not fit in vLLM's budget, "
-                         f"rollout.gpu_memory_utilization={u} x {total_bytes / gib:.1f} GiB, which holds the weights too")
+                         f"rollout.gpu_memory_utilization={u} x {total_bytes / gib:.1f} GiB, which holds the "
+                         "weights too")
     return {**args, "gpu_memory_utilization": u, "enable_sleep_mode": colocated}
 
 

@@ -264,7 +264,8 @@ def main():
              (f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
                                                      f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
              (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB"),
-             ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: {g['tokens_per_s']:.0f} tok/s"),
+             ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
+                                 f"{g['tokens_per_s']:.0f} tok/s"),
              ("total time", f"{res['total_s']:.0f} s")]
     w = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows))

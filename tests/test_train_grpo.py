@@ -124,7 +124,8 @@ def test_bf16_trains_logs_mismatch_and_tis_engages(tmp_path, start_ckpt):
         rows[dtype] = [r for r in metrics(tmp_path / dtype / "metrics.jsonl") if "perf/step_s" in r]
         assert [r["step"] for r in rows[dtype]] == [1, 2, 3]
     for b, f in zip(rows["bfloat16"], rows["float32"]):
-        print(f"step {b['step']}: mismatch/abs_diff bf16 {b['mismatch/abs_diff']:.2e} fp32 {f['mismatch/abs_diff']:.2e}, "
+        print(f"step {b['step']}: mismatch/abs_diff bf16 {b['mismatch/abs_diff']:.2e} "
+              f"fp32 {f['mismatch/abs_diff']:.2e}, "
               f"tis capped bf16 {b['loss/tis_capped_frac']:.3f} fp32 {f['loss/tis_capped_frac']:.3f}")
         assert math.isfinite(b["loss/total"]) and 0 < b["train/grad_norm"] < math.inf and b["train/skipped_steps"] == 0
         assert 1e-4 < b["mismatch/abs_diff"] < 0.1 and f["mismatch/abs_diff"] < 1e-5  # logged, and bf16's is real
