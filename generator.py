@@ -176,7 +176,8 @@ class VLLMGenerator:
         self.asleep = False
         changed = {k for k in nccl_env.keys() | os.environ.keys() if k.startswith("NCCL_")
                    and nccl_env.get(k) != os.environ.get(k)}
-        if changed:  # dist.rank_env set them alike on every rank; a rank that differs breaks the weight broadcast
+        if changed and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # dist.rank_env set them alike on every rank; a
+            # rank whose NCCL settings differ from its peers' can break the weight broadcast
             raise RuntimeError(f"building the vLLM engine changed {sorted(changed)} on this rank only: set them for "
                                "the whole job (e.g. NCCL_CUMEM_ENABLE=0 torchrun ...)")
 
