@@ -358,10 +358,12 @@ def make_tiny_tokenizer(path, vocab_size: int = 384) -> Path:
 
 def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=64, intermediate_size=384,
-                         tie_word_embeddings=True) -> Path:
+                         tie_word_embeddings=True, vocab_size=None) -> Path:
     """A random tiny model (init N(0, 0.02), output projections N(0, 0.02/sqrt(2L)), norms 1, biases 0) with the
-    arithmetic tokenizer, in Hugging Face format. Idempotent: returns early if `path` holds the same settings."""
-    settings = {k: v for k, v in locals().items() if k != "path"}  # the arguments
+    arithmetic tokenizer, in Hugging Face format. Idempotent: returns early if `path` holds the same settings.
+    vocab_size: None = the tokenizer's, rounded up to 64; larger gives a real model's shape (bench/gpu.py), and the
+    ids the tokenizer does not know decode to nothing."""
+    settings = {k: v for k, v in locals().items() if k != "path" and not (k == "vocab_size" and v is None)}
     path = Path(path)
     stamp = path / "nanoforge_tiny.json"  # written last, so a half-written directory is redone
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
@@ -370,7 +372,7 @@ def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_
     from model import ModelConfig, Transformer
     with tempfile.TemporaryDirectory() as tok_dir:
         tok = Tokenizer(make_tiny_tokenizer(tok_dir))
-        cfg = ModelConfig(model_type=model_type, vocab_size=-(-tok.vocab_size // 64) * 64,  # 382 rounded up: 384
+        cfg = ModelConfig(model_type=model_type, vocab_size=vocab_size or -(-tok.vocab_size // 64) * 64,  # 382: 384
                           hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
                           num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                           head_dim=head_dim, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,

@@ -10,6 +10,21 @@ its own generator and weights are handed over in-process (the single-GPU and CPU
     role       trainers (dp_shard x tp mesh) | generators (one vLLM engine each)
     sync       rank 0 --- broadcast buckets ---> every generator     (group {0} + generators)
 
+Devices and environment (rank_env, applied by get_roles before anything touches CUDA). A rank that hosts a vLLM
+engine (every generator rank; every rank when colocated with vLLM) gets CUDA_VISIBLE_DEVICES = its LOCAL_RANK-th
+visible GPU, so the engine, its NCCL groups and ours all run on that rank's cuda:0. Why: an in-process engine takes
+cuda:0 whatever torch.cuda.set_device said (vLLM 0.32: v1/executor/uniproc_executor.py
+UniProcExecutor._distributed_args reads the index from device_config.device, which config/device.py
+DeviceConfig.__post_init__ strips; v1/worker/gpu_worker.py Worker.init_device then sets that device). Why not 0.32's
+device_ids argument (engine/arg_utils.py EngineArgs._resolve_device_ids) or an executor subclass: hiding the other
+GPUs keeps every library in that process (CUDA graphs, Triton, NCCL, memory profiling) off them. Trainers stay on
+cuda:LOCAL_RANK, so no two ranks share a GPU as long as a node has a GPU per local rank (check_gpu_layout, called by
+validate()). NCCL variables are set the same on every rank before init_process_group: 0.32's Worker.init_device pops
+NCCL_ASYNC_ERROR_HANDLING on its ranks only, and other vLLM releases set NCCL_CUMEM_ENABLE=0 on import
+(../shared/notes/vllm-gpu.md; 0.32's env_override.py does not, it sets PYTORCH_NVML_BASED_CUDA_CHECK=1, which keeps
+torch.cuda.is_available() from initialising CUDA). Ranks whose NCCL settings differ can hang or fail in their first
+broadcast.
+
 Start order. vLLM's in-process engine creates its own private 1-rank default process group; if the world group
 already exists it adopts it instead and makes its internal `new_group` calls on it, which are collective over the
 whole world, and the trainer ranks never make them: a deadlock. So a generator rank builds its engine first,
@@ -62,15 +77,54 @@ class Roles:
     device: torch.device
 
 
-def get_roles(generator_ranks: int) -> Roles:
-    """Roles from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain `python` is a world of 1)."""
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "0", "NCCL_ASYNC_ERROR_HANDLING": None}  # default per rank (None: unset); see above
+
+
+def rank_env(hosts_engine: bool, local_rank: int, environ) -> dict:
+    """The environment changes for this rank ({name: value, or None to unset}), a pure function (module docstring)."""
+    env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    for name, default in NCCL_ENV.items():  # a value set for the whole job wins: torchrun gives every rank the same
+        env[name] = environ.get(name, default) if default is not None else None
+    if hosts_engine:
+        visible = environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(local_rank + 1)]
+        if local_rank >= len(ids):
+            raise ValueError(f"LOCAL_RANK={local_rank} but CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)} GPU(s)")
+        env["CUDA_VISIBLE_DEVICES"] = ids[local_rank].strip()
+    return env
+
+
+def check_gpu_layout(local_world_size: int, num_gpus: int) -> None:
+    """Rank r of a node uses its visible GPU number LOCAL_RANK: more ranks than GPUs would put two ranks (a trainer and
+    an engine, or two engines) on one GPU. num_gpus = 0 (no CUDA) is always fine."""
+    if num_gpus and local_world_size > num_gpus:
+        raise ValueError(f"{local_world_size} ranks per node but {num_gpus} visible GPU(s): every rank needs a GPU "
+                         f"of its own (torchrun --nproc_per_node <= {num_gpus})")
+
+
+def get_roles(generator_ranks: int, colocated_engine: bool = False) -> Roles:
+    """Roles from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain `python` is a world of 1); applies rank_env first.
+    colocated_engine: with no generator ranks, every rank hosts a vLLM engine (a torch generator needs no pinning)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if not 0 <= generator_ranks < world:
         raise ValueError(f"generator_ranks={generator_ranks} must be >= 0 and < world_size={world} "
                          f"(at least one trainer rank is needed; use torchrun --nproc_per_node)")
     trainers, generators = list(range(world - generator_ranks)), list(range(world - generator_ranks, world))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    hosts_engine = rank in generators or (colocated_engine and not generators)
+    env = rank_env(hosts_engine, local_rank, os.environ)
+    # NOTE: catches torch's CUDA init only; a bare cuInit (torch.cuda.is_available() without the NVML check) would
+    # also fix the visible GPUs. Before this call, only torch.cuda.device_count() (NVML) may ask about CUDA.
+    if torch.cuda.is_initialized() and env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")) \
+            != os.environ.get("CUDA_VISIBLE_DEVICES"):
+        raise RuntimeError("CUDA was initialised before dist.get_roles(): too late to pin this rank's GPU")
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    index = 0 if hosts_engine else local_rank  # an engine rank sees only its own GPU
+    device = torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return Roles(rank, world, local_rank, trainers, generators, rank in trainers, rank in generators,

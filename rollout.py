@@ -41,12 +41,16 @@ import run
 import weight_sync
 
 
-def build_generator(cfg, path, max_model_len):
+def build_generator(cfg, path, max_model_len, roles):
     kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
     backend = generator.default_backend() if backend == "auto" else backend
-    if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch
+    if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch; sleeps when colocated
         kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
-                  max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems))
+                  max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems),
+                  gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enforce_eager=cfg.rollout.enforce_eager,
+                  colocated=roles.colocated)
+    else:  # on this rank's device (a GPU without vLLM), computing in the trainer's dtype
+        kw.update(device=roles.device, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     return generator.make_generator(backend, path, **kw)
 
 

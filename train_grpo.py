@@ -47,6 +47,7 @@ import checkpoint
 import config
 import data
 import dist
+import generator
 import losses
 import reward_guard
 import rollout
@@ -86,6 +87,9 @@ class Rollout:
     max_tokens: int = 40            # response budget; also DAPO's L_max and Dr.GRPO's C
     backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: vllm on GPU, torch on CPU
     kv_cache_mb: int = 128          # vLLM KV cache per engine, set explicitly (not a RAM fraction)
+    gpu_memory_utilization: float = 0.9  # vLLM on CUDA: share of the GPU for weights + KV + graphs, checked against
+                                    # free memory at start; colocated it must leave the trainer room (e.g. 0.3)
+    enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode is launch-bound)
     max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal
     overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
@@ -185,6 +189,7 @@ def validate(cfg, world_size):
             ("rollout.max_tokens", c.rollout.max_tokens >= 1, ">= 1"),
             ("rollout.backend", c.rollout.backend in ("vllm", "torch", "auto"), "vllm, torch or auto"),
             ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 1, ">= 1"),
+            ("rollout.gpu_memory_utilization", 0 < c.rollout.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("rollout.max_staleness", c.rollout.max_staleness >= 0, ">= 0"),
             ("rollout.overlong_cache", 0 <= c.rollout.overlong_cache < c.rollout.max_tokens,
              ">= 0 and < rollout.max_tokens"),
@@ -235,6 +240,10 @@ def validate(cfg, world_size):
     if not 0 <= cfg.dist.generator_ranks < world_size:
         raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size {world_size}"
                   " (at least one trainer rank)")
+    try:  # a GPU per rank: a trainer and a vLLM engine never share one (device_count asks NVML: CUDA stays untouched)
+        dist.check_gpu_layout(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
+    except ValueError as e:
+        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks}, world size {world_size}: {e}") from None
     num_trainers = world_size - cfg.dist.generator_ranks
     if num_trainers % cfg.dist.tp:
         raise err(f"dist.tp={cfg.dist.tp} does not divide the {num_trainers} trainer ranks")
@@ -356,15 +365,19 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
                 mb_adv = adv[rows].to(device)[:, None].expand_as(logp)
+                tis = None
                 if cfg.loss.tis_cap > 0:  # truncated IS: trainer-vs-generator mismatch, detached, capped
                     base = logp.detach() if old_logp is None else old_logp[rows].to(device)
-                    mb_adv = mb_adv * losses.tis_weights(base, batch["gen_logp"][rows].to(device), mask,
-                                                         cfg.loss.tis_cap)
+                    tis = losses.tis_weights(base, batch["gen_logp"][rows].to(device), mask, cfg.loss.tis_cap)
+                    mb_adv = mb_adv * tis
                 loss, m = loss_fn(logp, None if ref_logp is None else ref_logp[rows].to(device), mb_adv, mask,
                                   old_logprobs=None if old_logp is None else old_logp[rows].to(device))
                 if poison:
                     loss = loss * float("nan")
                 m["loss/entropy"] = masked_mean(ent.detach(), mask)
+                if tis is not None:  # how often the cap engages, and the mean weight it leaves
+                    m["loss/tis_capped_frac"] = masked_mean((tis >= cfg.loss.tis_cap * (1 - 1e-6)).float(), mask)
+                    m["loss/tis_weight_mean"] = masked_mean(tis, mask)
                 if cfg.loss.entropy_coef:
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
                 (loss * len(rows) / len(mb_rows)).backward()
@@ -425,7 +438,8 @@ def main(argv=None):
     validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
-    roles = dist.get_roles(cfg.dist.generator_ranks)
+    backend = generator.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
+    roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
@@ -436,7 +450,7 @@ def main(argv=None):
     tok = data.Tokenizer(path)
     gen = None
     if roles.is_generator or roles.colocated:
-        gen = rollout.build_generator(cfg, path, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens)
+        gen = rollout.build_generator(cfg, path, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens, roles)
         if hasattr(gen, "release_default_group"):
             gen.release_default_group()
     dist.init_distributed(roles, cfg.dist.timeout_s)
@@ -513,12 +527,10 @@ def main(argv=None):
                 old_logp = no_grad_logp(model, batch, cfg.train.micro_batch, T)
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with run.timed(perf, "perf/train_s"):
-            if roles.colocated and gen is not None:
-                gen.sleep()  # GPU: free the engine's memory for the update (a no-op on CPU)
+            if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)
+                gen.sleep(keep_weights=not rollout.sync_due(s, cfg))  # new weights follow: no need to keep the old
             m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
                                             roles.device, s)
-        if roles.colocated and gen is not None:
-            gen.wake_up()
         skipped_total += skipped
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
@@ -526,6 +538,8 @@ def main(argv=None):
         with run.timed(perf, "perf/sync_s"):
             if rollout.sync_due(s, cfg):
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
+            if roles.colocated and gen is not None:
+                gen.wake_up()  # whatever still sleeps; after a sync nothing does (update_weights' wake order: generator.py)
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
         row = step_metrics({**m, **rstats, **mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync, **perf},
                            r, correct, lengths, groups, batch, s, sched, skipped_total, num_dropped, cfg,

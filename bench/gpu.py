@@ -1,8 +1,13 @@
-"""GPU figures on one device (run by bench/gpu.sh): trainer MFU, logprob peak memory, torch-generator tokens/s.
+"""GPU figures on one device (run by bench/gpu.sh): a real GRPO loop, trainer MFU, logprob peak memory, torch-generator
+tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback without vLLM) generates.
 
-Model: a random Qwen2.5-1.5B-shaped Transformer (model.py; 1.54B params, tied embeddings). No checkpoint, no
-network, no vLLM: the torch generator stands in for generation.
-
+0. GRPO, one GPU, colocated: a random Qwen2.5-0.5B-shaped checkpoint (494M params, vocabulary 151936, the arithmetic
+   tokenizer: ids it does not know decode to nothing, so the reward is 0 and the entropy bonus supplies the gradient)
+   is written on the spot, then train_grpo.main runs 20 steps of configs/tiny.py in this process in bf16 (16 prompts
+   x 8 samples x 256 tokens). Reported: the step breakdown (medians of steps 3-19; "other" = step - gen - ref - train
+   - sync, reward scoring included), generation tokens/s, peak GPU memory (torch.cuda.max_memory_allocated), and
+   the update's MFU with the formula of 1. over the response tokens only (each prompt's ~20 tokens, run once per
+   prompt, are left out: a lower bound).
 1. Trainer step, FSDP2 on a world of one (dist.shard_model, bf16 params, fp32 reduce and fp32 master weights +
    AdamW, as train_grpo.py runs it): forward with targets (chunked fp32 logprobs + entropy), a policy-gradient
    surrogate loss, backward, grad clip, optimizer step. MFU = model FLOPs / step time / peak bf16 FLOP/s, with
@@ -21,14 +26,19 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import importlib.util  # noqa: E402
+
+# What the GRPO part needs beyond PyTorch (the probes need none of it): without them it is skipped, said out loud.
+MISSING = [m for m in ("safetensors", "tokenizers", "jinja2", "tqdm") if importlib.util.find_spec(m) is None]
 try:
-    import safetensors  # noqa: F401  model.py imports it at the top; nothing here loads or saves a checkpoint
+    import safetensors  # noqa: F401  model.py imports it at the top; the probes load and save no checkpoint
 except ImportError:
     stub = types.ModuleType("safetensors")
     stub.safe_open = None
@@ -49,6 +59,11 @@ QWEN25_15B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, inter
 TOY = dict(QWEN25_15B, vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
            num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (SXM datasheets)
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, head_dim=64, vocab_size=151936)  # data.make_tiny_checkpoint's arguments
+GRPO = dict(steps=20, prompts=16, samples=8, max_tokens=256, micro_batch=32)
+GRPO_SMOKE = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, vocab_size=512)
 
 
 def random_model(cfg, device, dtype):
@@ -141,6 +156,49 @@ def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
                 tokens_per_s=tokens / dt)
 
 
+def bench_grpo(shape, run, device, workdir, peak):
+    """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring."""
+    import data
+    import train_grpo
+    ckpt = data.make_tiny_checkpoint(Path(workdir) / "ckpt", seed=0, **shape)
+    argv = [str(ROOT / "configs" / "tiny.py"), f"--model.path={ckpt}",
+            "--model.dtype=bfloat16", "--rollout.backend=torch", "--dist.generator_ranks=0",
+            f"--train.steps={run['steps']}", f"--rollout.prompts_per_step={run['prompts']}",
+            f"--rollout.group_size={run['samples']}", f"--rollout.max_tokens={run['max_tokens']}",
+            f"--train.micro_batch={run['micro_batch']}", "--loss.entropy_coef=0.01", "--eval.every=0",
+            f"--eval.num_problems={run['prompts']}", "--log.plot_every=1000", f"--log.out_dir={workdir}",
+            "--log.run=grpo"]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    train_grpo.main(argv)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in open(Path(workdir) / "grpo" / "metrics.jsonl")]
+    rows = [r for r in rows if "perf/step_s" in r][2:-1] or [r for r in rows if "perf/step_s" in r]  # no warm-up/eval
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    parts = {"gen": med("perf/gen_s"), "ref": med("perf/ref_s") + med("perf/old_s"), "train": med("perf/train_s"),
+             "sync": med("perf/sync_s")}
+    step = med("perf/step_s")
+    parts["other"] = step - sum(parts.values())
+    cfg = ModelConfig(**{**QWEN25_15B, **shape})
+    params = _count_params(cfg)
+    resp = med("rollout/response_len")
+    tokens = run["prompts"] * run["samples"] * resp  # response tokens through the update
+    seq = resp + 20  # ~20 prompt tokens
+    flops = (6 * params + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) * tokens
+    return dict(params=params, steps=run["steps"], step_s=step, parts=parts, wall_s=wall,
+                gen_tokens_per_s=statistics.median(r["rollout/response_len"] * run["prompts"] * run["samples"]
+                                                   / r["perf/gen_s"] for r in rows),
+                update_tflops=flops / parts["train"] / 1e12, update_mfu=flops / parts["train"] / peak if peak else None,
+                peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                mismatch_abs_diff=med("mismatch/abs_diff"), config=run)
+
+
+def _count_params(cfg):
+    with torch.device("meta"):  # shapes only: a tied lm_head counted once
+        return sum(p.numel() for p in Transformer(cfg).parameters())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the script, not the speed")
@@ -150,17 +208,29 @@ def main():
     if not smoke and not torch.cuda.is_available():
         sys.exit("bench/gpu.py: no CUDA device (use --cpu-smoke to check the script on CPU)")
     cfg = ModelConfig(**(TOY if smoke else QWEN25_15B))
-    roles = dist.get_roles(0)
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    t_all = time.perf_counter()
+    res = {"device": name, "torch": torch.__version__, "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
+    if MISSING:
+        res["grpo"] = None
+        print(f"grpo: SKIPPED, not installed: {' '.join(MISSING)} (pip install {' '.join(MISSING)})", flush=True)
+    else:
+        with tempfile.TemporaryDirectory() as workdir:  # the 0.5B checkpoint (2 GB in fp32) and the run's outputs
+            res["grpo"] = bench_grpo(GRPO_SMOKE if smoke else QWEN25_05B,
+                                     dict(GRPO, steps=4, prompts=4, samples=2, max_tokens=8, micro_batch=8) if smoke
+                                     else GRPO, device, workdir, peak)
+        print(f"grpo: {res['grpo']['step_s']:.3f} s/step {res['grpo']['parts']}", flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    roles = dist.get_roles(0)  # train_grpo.main has left its world: a new one for the probes below
     if smoke:
         roles.device = torch.device("cpu")
     dist.init_distributed(roles, 600)
     mesh = dist.trainer_mesh(roles, 1, 1)
-    device = roles.device
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
-    t_all = time.perf_counter()
-
-    res = {"device": name, "torch": torch.__version__, "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
     res["generate"] = bench_generate(cfg, device, *((4, 2, 16, 8) if smoke else (64, 8, 128, 256)))
     print(f"generate: {res['generate']['tokens_per_s']:.0f} tok/s", flush=True)
     res["logprob_memory"] = bench_logprob_memory(cfg, device, 64 if smoke else 4096)
@@ -173,17 +243,30 @@ def main():
     if device.type == "cuda":
         res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
 
-    g, m = res["generate"], res["logprob_memory"]
+    g, m, gr = res["generate"], res["logprob_memory"], res["grpo"]
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    rows = [("device", name),
-            ("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
-                                           f"{tr['tokens_per_s']:.0f} tok/s"),
-            ("trainer TFLOP/s, MFU", f"{tr['achieved_tflops']:.1f}, {fmt(tr['mfu'], '.1%')}"),
-            (f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
-                                                    f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
-            (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB"),
-            ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: {g['tokens_per_s']:.0f} tok/s"),
-            ("total time", f"{res['total_s']:.0f} s")]
+    rows = [("device", name)]
+    if gr is None:
+        rows.append(("GRPO", f"skipped: {' '.join(MISSING)} not installed"))
+    else:
+        c, p = gr["config"], gr["parts"]
+        rows += [("GRPO, colocated, bf16, torch generator", f"{c['steps']} steps of {c['prompts']} x {c['samples']} x "
+                                                         f"{c['max_tokens']} tokens: {gr['step_s']:.2f} s/step, run "
+                                                         f"{gr['wall_s']:.0f} s"),
+                 ("GRPO step: gen / ref / train / sync / other", " / ".join(f"{p[k]:.3f}" for k in p) + " s"),
+                 ("GRPO generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
+                 ("GRPO update TFLOP/s, MFU", f"{gr['update_tflops']:.1f}, {fmt(gr['update_mfu'], '.1%')}"),
+                 ("GRPO peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
+                 ("GRPO mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
+    rows += [("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
+                                            f"{tr['tokens_per_s']:.0f} tok/s"),
+             ("trainer TFLOP/s, MFU", f"{tr['achieved_tflops']:.1f}, {fmt(tr['mfu'], '.1%')}"),
+             (f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
+                                                     f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
+             (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB"),
+             ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
+                                 f"{g['tokens_per_s']:.0f} tok/s"),
+             ("total time", f"{res['total_s']:.0f} s")]
     w = max(len(k) for k, _ in rows)
     print("\n" + "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows))
     if not smoke:

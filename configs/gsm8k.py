@@ -1,7 +1,10 @@
 # 8 GPUs on one node: Qwen2.5-1.5B-Instruct, 6 trainer ranks (FSDP2) + 2 vLLM generator ranks, bf16.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
-# Sized for 8 x 80 GB (H100/H200): 1.5B params in bf16 with fp32 AdamW state sharded 6 ways is ~4 GB/rank;
-# each vLLM rank holds the whole model (3 GB) plus a 16 GB KV cache for 384 concurrent sequences.
+# Sized for 8 x 80 GB (H100/H200). Trainers: fp32 master weights + grads + AdamW (16 B/param) and the bf16-computed
+# reference, sharded 6 ways: ~6 GB/rank plus activations. Each vLLM rank owns one GPU (dist.rank_env pins it):
+# weights 3 GB + KV 16 GB + CUDA graphs, inside rollout.gpu_memory_utilization = 0.9 (72 GB, the default). KV per
+# token is 28 layers x 2 KV heads x 128 x 2 (k, v) x 2 B = 28 KB: 192 completions x ~650 tokens need ~3.5 GB, and the
+# rest lets eval's 660 prompts per rank run in few batches. rollout.enforce_eager stays None: CUDA graphs on.
 model.path = "Qwen/Qwen2.5-1.5B-Instruct"   # or a local directory with the same files
 model.dtype = "bfloat16"
 data.name = "gsm8k"
@@ -10,7 +13,7 @@ data.instruction = "\nPlease reason step by step, and put your final answer with
 rollout.prompts_per_step = 48               # B: 48 / 6 data-parallel ranks = 8 prompts per trainer rank
 rollout.group_size = 8                      # G: 384 completions per step (192 per vLLM rank)
 rollout.max_tokens = 512
-rollout.kv_cache_mb = 16384
+rollout.kv_cache_mb = 16384                 # explicit KV bytes; must fit inside gpu_memory_utilization x 80 GB
 rollout.max_staleness = 1                   # generate step s+1 while training on step s
 loss.name = "grpo"
 loss.kwargs = {"beta": 0.04}                # DeepSeekMath's KL coefficient; reference model on trainers

@@ -1,6 +1,10 @@
 # 1 GPU, colocated: the trainer and a vLLM engine share the device (vLLM sleeps during the update).
 #   python train_grpo.py configs/gsm8k_1gpu.py
-# Sized for one 80 GB GPU: policy + reference (bf16) + AdamW state ~ 15 GB, vLLM KV cache 8 GB.
+# Sized for one 80 GB GPU. vLLM is built with sleep mode and may use gpu_memory_utilization x 80 GB = 24 GB:
+# weights 3 GB + KV 8 GB + CUDA graphs and activations. The trainer keeps the other 56 GB: fp32 policy weights + grads
+# + AdamW (16 B/param = 25 GB) and the fp32-stored reference (6 GB), plus activations. During the update vLLM sleeps
+# (level 2 when new weights follow: weights and KV freed), so the update can use nearly the whole GPU. Without vLLM
+# the torch generator runs instead (rollout.backend = "auto"), in bf16, and needs no budget of its own.
 model.path = "Qwen/Qwen2.5-1.5B-Instruct"
 model.dtype = "bfloat16"
 data.name = "gsm8k"
@@ -9,7 +13,8 @@ data.instruction = "\nPlease reason step by step, and put your final answer with
 rollout.prompts_per_step = 16               # B
 rollout.group_size = 8                      # G: 128 completions per step
 rollout.max_tokens = 512
-rollout.kv_cache_mb = 8192
+rollout.kv_cache_mb = 8192                  # 128 completions x ~650 tokens x 28 KB = 2.3 GB, with room for eval
+rollout.gpu_memory_utilization = 0.3        # vLLM's share beside the trainer (TRL's colocate default too)
 loss.name = "grpo"
 loss.kwargs = {"beta": 0.04}
 optim.lr = 1e-6

@@ -2,6 +2,7 @@
 launch; a launch costs seconds of imports on 2 cores) and asserts on what the ranks wrote. Oracles: the same model
 unsharded on one rank, the trainer's full tensors (bit for bit), a run that never stopped."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -150,3 +151,56 @@ def test_silent_rank_times_out(tmp_path):
     assert "rank 0: collective gave up after" in log, log[-3000:]
     waited = float(log.split("collective gave up after ")[1].split("s")[0])
     assert 4.0 <= waited < 15, waited
+
+
+def test_rank_env_pins_engine_ranks_and_sets_nccl_alike_mock_cuda():
+    """dist.rank_env, the pure part of get_roles, with made-up environments (the CUDA effect needs a GPU)."""
+    import dist as D
+    launch = {"NCCL_ASYNC_ERROR_HANDLING": "1"}  # vLLM's Worker.init_device pops it, on its own ranks only
+    engine, trainer = D.rank_env(True, 6, launch), D.rank_env(False, 2, launch)
+    assert engine["CUDA_VISIBLE_DEVICES"] == "6" and "CUDA_VISIBLE_DEVICES" not in trainer  # trainer: cuda:LOCAL_RANK
+    assert D.rank_env(True, 1, {"CUDA_VISIBLE_DEVICES": "4, 5,7"})["CUDA_VISIBLE_DEVICES"] == "5"  # Slurm, a subset
+    nccl = lambda env: {k: v for k, v in env.items() if k.startswith("NCCL_")}  # noqa: E731
+    assert nccl(engine) == nccl(trainer) == {"NCCL_CUMEM_ENABLE": "0", "NCCL_ASYNC_ERROR_HANDLING": None}
+    chosen = {"NCCL_CUMEM_ENABLE": "1"}  # a value set for the whole job is kept, on every rank alike
+    assert D.rank_env(True, 0, chosen)["NCCL_CUMEM_ENABLE"] == D.rank_env(False, 0, chosen)["NCCL_CUMEM_ENABLE"] == "1"
+    assert engine["PYTORCH_NVML_BASED_CUDA_CHECK"] == trainer["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 but CUDA_VISIBLE_DEVICES='0,1' lists 2 GPU"):
+        D.rank_env(True, 2, {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_validate_rejects_more_ranks_than_gpus_mock_cuda(monkeypatch):
+    """8 ranks on a node with 4 GPUs would put an engine and a trainer on one GPU. torch.cuda.device_count is faked
+    (no GPU here); on CPU (0 GPUs) the check passes."""
+    import config
+    import dist as D
+    import train_grpo
+    D.check_gpu_layout(8, 8)
+    D.check_gpu_layout(8, 0)
+    cfg = train_grpo.parse_config([str(Path(__file__).resolve().parents[1] / "configs" / "gsm8k.py")])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(config.ConfigError, match="dist.generator_ranks=2, world size 8: 8 ranks per node but 4 "
+                                                 "visible GPU"):
+        train_grpo.validate(cfg, 8)
+
+
+def test_engine_ranks_env_before_vllm_import_cpu_shows_env_not_cuda_placement(tmp_path):
+    """torchrun, 1 trainer + 2 generator ranks, through dist.get_roles and a real `import vllm`. Shows: each
+    generator rank's environment at the moment vLLM was imported pins its own GPU (the LOCAL_RANK-th of the job's
+    CUDA_VISIBLE_DEVICES), and every rank enters init_process_group with the same NCCL variables. Cannot show (no
+    GPU): that CUDA and vLLM then place the engine on that GPU, or how NCCL behaves."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "3,5,7", "NCCL_ASYNC_ERROR_HANDLING": "1"}
+    env.pop("NCCL_CUMEM_ENABLE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--standalone",
+           str(WORKER.parent / "_env_torchrun.py"), str(tmp_path / "env.json")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert_ok(p.returncode, p.stdout + p.stderr)
+    ranks = json.loads((tmp_path / "env.json").read_text())
+    trainer, *gens = ranks
+    assert trainer["at_vllm_import"] is None and trainer["at_init"]["CUDA_VISIBLE_DEVICES"] == "3,5,7"
+    assert [g["at_vllm_import"]["CUDA_VISIBLE_DEVICES"] for g in gens] == ["5", "7"]
+    assert all(g["at_vllm_import"] == g["at_init"] for g in gens)  # importing vLLM changed none of them
+    nccl = [{k: v for k, v in r["at_init"].items() if k.startswith("NCCL_")} for r in ranks]
+    assert nccl == [{"NCCL_CUMEM_ENABLE": "0"}] * 3  # NCCL_ASYNC_ERROR_HANDLING gone everywhere, not only on vLLM's
+    assert not any(r["cuda_initialized"] for r in ranks)

@@ -256,6 +256,85 @@ def test_prefix_cache_reset_matters(vllm_engine, tiny_ckpt):
         vllm_engine.update_weights(orig, version=version)
 
 
+def test_sleep_then_update_wakes_weights_load_then_kv(vllm_engine, tiny_ckpt):
+    """Colocated sleep on the real engine. On CPU the worker's sleep frees nothing, but the engine core really pauses
+    its scheduler and tracks the sleeping tags (vLLM 0.32 v1/engine/core.py EngineCore.sleep / wake_up), so the order
+    and the state are real; freeing GPU memory is not shown here."""
+    model = Transformer.from_pretrained(tiny_ckpt).eval()
+    prompts, kw = make_prompts(3, seed=11), dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], seed=0)
+    llm, calls = vllm_engine.llm, []
+    real = {name: getattr(llm, name) for name in ("sleep", "wake_up")}
+    real_load = vllm_engine._load_weights
+
+    def spy(name):
+        def call(*args, **kwargs):
+            calls.append((name, kwargs.get("level", kwargs.get("tags"))))
+            return real[name](*args, **kwargs)
+        return call
+    orig, version = perturbed(model, seed=3), vllm_engine.version
+    llm.sleep, llm.wake_up = spy("sleep"), spy("wake_up")
+    vllm_engine._load_weights = lambda named: (calls.append(("load", None)), real_load(named))
+    try:
+        vllm_engine.sleep(keep_weights=False)  # new weights follow: level 2
+        assert llm.llm_engine.is_sleeping()
+        vllm_engine.update_weights(model.named_parameters(), version=version + 1)
+        assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("load", None), ("wake_up", ["kv_cache"])], calls
+        assert not llm.llm_engine.is_sleeping() and not vllm_engine.asleep
+        assert max_gap(model, vllm_engine.generate(prompts, **kw)) < TOL  # generates, with the new weights
+        calls.clear()
+        vllm_engine.sleep()  # no sync this step: level 1, then everything wakes at once
+        vllm_engine.wake_up()
+        vllm_engine.wake_up()  # awake already: nothing more
+        assert calls == [("sleep", 1), ("wake_up", None)] and not llm.llm_engine.is_sleeping()
+        assert max_gap(model, vllm_engine.generate(prompts, **kw)) < TOL
+    finally:
+        del llm.sleep, llm.wake_up, vllm_engine._load_weights  # the instance attributes: back to the methods
+        vllm_engine.wake_up()
+        vllm_engine.update_weights(orig, version=version)
+
+
+def test_engine_args_graphs_sleep_mode_and_memory_check_mock_cuda():
+    """engine_args with made-up GPU numbers (no GPU here): what LLM(...) would get on CUDA, and the memory errors."""
+    gib, kv = 2**30, 8 << 30
+    cpu = generator.engine_args("cpu", colocated=True, kv_cache_memory_bytes=kv)
+    assert cpu == {"kv_cache_memory_bytes": kv, "enforce_eager": True}  # no sleep mode: vLLM refuses it on CPU
+    gpu = generator.engine_args("cuda", colocated=True, kv_cache_memory_bytes=kv, gpu_memory_utilization=0.3,
+                                free_bytes=139 * gib, total_bytes=140 * gib)
+    assert gpu == {"kv_cache_memory_bytes": kv, "enforce_eager": False, "gpu_memory_utilization": 0.3,
+                   "enable_sleep_mode": True}  # CUDA graphs on, sleep mode on beside a trainer
+    dedicated = generator.engine_args("cuda", colocated=False, kv_cache_memory_bytes=kv, enforce_eager=True,
+                                      free_bytes=139 * gib, total_bytes=140 * gib)
+    assert dedicated["enable_sleep_mode"] is False and dedicated["enforce_eager"] is True
+    with pytest.raises(ValueError, match=r"rollout.gpu_memory_utilization=0.9 asks .* only 100.0 GiB is free: use "
+                                         r"at most 0.71"):
+        generator.engine_args("cuda", colocated=False, kv_cache_memory_bytes=kv, free_bytes=100 * gib,
+                              total_bytes=140 * gib)
+    with pytest.raises(ValueError, match="rollout.kv_cache_mb=8192 does not fit"):
+        generator.engine_args("cuda", colocated=True, kv_cache_memory_bytes=kv, gpu_memory_utilization=0.05,
+                              free_bytes=140 * gib, total_bytes=140 * gib)
+
+
+def test_torch_generator_one_host_sync_per_token_cpu_dispatch_count(torch_gen):
+    """On a GPU every host sync stalls the launch queue. Counted on CPU at the dispatcher: reading a tensor's value
+    on the host (.item(), bool(t)) is aten._local_scalar_dense, and generate may do that once per decode step (the
+    all-rows-stopped check), no more. Which device each tensor lives on cannot be seen without a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountSyncs(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero):
+                CountSyncs.n += 1
+            return func(*args, **(kwargs or {}))
+    for T in (6, 20):
+        CountSyncs.n = 0
+        with CountSyncs():
+            out = torch_gen.generate(make_prompts(3, seed=12), n=2, max_tokens=T, stop_token_ids=[], seed=0)
+        assert all(len(c.token_ids) == T for g in out for c in g)
+        assert CountSyncs.n <= T, (T, CountSyncs.n)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dedicated generator rank under torchrun
 

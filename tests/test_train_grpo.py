@@ -109,3 +109,36 @@ def test_multinode_rendezvous_two_agents(tmp_path, start_ckpt):
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
     rows = [r for r in metrics(tmp_path / "mn" / "metrics.jsonl") if "perf/step_s" in r]
     assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_bf16_trains_logs_mismatch_and_tis_engages(tmp_path, start_ckpt):
+    """model.dtype=bfloat16 on CPU, one process, the torch generator colocated (in bf16 too, as on a GPU without
+    vLLM): FSDP2 computes in bf16 over fp32 master weights and reduces in fp32. Oracle: the same run in fp32, where
+    trainer and generator agree to float rounding. The entropy bonus gives a gradient although the random model
+    earns no reward. A cap of 1.001 (log 1e-3) sits inside bf16's mismatch and far outside fp32's."""
+    common = [f"--model.path={start_ckpt}", "--train.steps=3", "--dist.generator_ranks=0",
+              "--rollout.backend=torch", "--loss.tis_cap=1.001", "--loss.entropy_coef=0.01", "--eval.every=0"]
+    rows = {}
+    for dtype in ("bfloat16", "float32"):
+        run([*common, f"--model.dtype={dtype}", f"--log.run={dtype}"], tmp_path, nproc=0)
+        rows[dtype] = [r for r in metrics(tmp_path / dtype / "metrics.jsonl") if "perf/step_s" in r]
+        assert [r["step"] for r in rows[dtype]] == [1, 2, 3]
+    for b, f in zip(rows["bfloat16"], rows["float32"]):
+        print(f"step {b['step']}: mismatch/abs_diff bf16 {b['mismatch/abs_diff']:.2e} "
+              f"fp32 {f['mismatch/abs_diff']:.2e}, "
+              f"tis capped bf16 {b['loss/tis_capped_frac']:.3f} fp32 {f['loss/tis_capped_frac']:.3f}")
+        assert math.isfinite(b["loss/total"]) and 0 < b["train/grad_norm"] < math.inf and b["train/skipped_steps"] == 0
+        assert 1e-4 < b["mismatch/abs_diff"] < 0.1 and f["mismatch/abs_diff"] < 1e-5  # logged, and bf16's is real
+        assert b["loss/tis_capped_frac"] > 0.01 and f["loss/tis_capped_frac"] == 0  # the cap engages on bf16's
+        assert b["loss/tis_weight_mean"] < 1.0
+
+
+def test_bench_gpu_cpu_smoke():
+    """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main, then the MFU,
+    logprob-memory and generator probes) at toy sizes on CPU, so the script is known to run before a GPU sees it."""
+    res = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHON": sys.executable})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU",
+                "trainer TFLOP/s, MFU", "logprob peak, T=64 fwd+bwd", "torch generator"):
+        assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
