@@ -1,12 +1,14 @@
 """A training run's bookkeeping, shared by train_sft.py and train_grpo.py.
 
 The trainers own the algorithm; this file owns what every run does around it, the same way for both:
-where the starting checkpoint comes from, the optimizer and its learning-rate schedule, what a resume
-continues from (said out loud, so a resume can never silently train zero steps) and restoring it, the
-periodic checkpoint, the run's outputs (`RunLog`: config.json, `metrics.jsonl` with one JSON row per step,
-cut back to the checkpoint on resume, the progress line, W&B, plots), the end of a step (log, report a
-skipped step, abort after too many), and the process exit (a config error is one line; a failed
-collective names the lost rank).
+the command line (`--help`, `--print-config`), the checks that fail a bad config before anything heavy
+starts (model path, data source, a user's reward or loader named as "module:Name" / "file.py:Name",
+logging extras, resume), where the starting checkpoint comes from ("tiny:<dir>" is the only path that
+creates one), the optimizer and its learning-rate schedule, what a resume continues from (said out loud, so
+a resume can never silently train zero steps) and restoring it, the periodic checkpoint, the run's outputs
+(`RunLog`: config.json, `metrics.jsonl` with one JSON row per step, cut back to the checkpoint on resume,
+the progress line, W&B, TensorBoard, plots), the end of a step (log, report a skipped step, abort after too
+many), and the process exit (a config error is one line; a failed collective names the lost rank).
 """
 import dataclasses
 import importlib.util
@@ -113,7 +115,8 @@ def load_object(spec, field):
             file = Path(module_name).resolve()
             if not file.is_file():
                 raise FileNotFoundError(f"no such file: {module_name}")
-            sys.path.insert(0, str(file.parent))
+            if str(file.parent) not in sys.path:
+                sys.path.insert(0, str(file.parent))
             module = importlib.import_module(file.stem)
             if Path(module.__file__).resolve() != file:  # e.g. a user file named data.py: nanoforge's own module
                 raise ImportError(f"module name {file.stem!r} is taken by {module.__file__}; rename the file")
