@@ -268,6 +268,7 @@ class RunLog:
 
     def __init__(self, cfg, out, start, is_log, shown, logs=("metrics.jsonl",)):
         self.out, self.is_log, self.shown, self.wandb, self.tb = Path(out), is_log, shown, None, None
+        self.plot_every_s, self.last_plot = cfg.log.plot_every_s, time.monotonic()
         self.out.mkdir(parents=True, exist_ok=True)
         if is_log:
             resolved = config.to_dict(vars(cfg))
@@ -310,10 +311,13 @@ class RunLog:
         if self.is_log:
             self.bar.write(msg)
 
-    def plot(self):
-        if self.is_log:
+    def plot(self, last=False):
+        """Refresh the PNGs: at the last step, else at most every `plot_every_s` (matplotlib costs ~1 s a plot:
+        every 25 steps it was a fifth of the demo's SFT time)."""
+        if self.is_log and (last or time.monotonic() - self.last_plot >= self.plot_every_s):
             import plots
             plots.plot_run(self.out / "metrics.jsonl", self.out)
+            self.last_plot = time.monotonic()
 
     def close(self):
         self.bar.close()
@@ -333,16 +337,15 @@ def timed(perf, key):
         perf[key] = time.perf_counter() - t0
 
 
-def finish_step(log, row, skipped, skipped_run, max_skipped, stat_keys, plot):
+def finish_step(log, row, skipped, skipped_run, max_skipped, stat_keys, last):
     """The end of every step: log the row, say so when its optimizer step was skipped (non-finite loss or grad
-    norm), refresh the plots, and abort after `max_skipped` skipped steps in a row: after the log, so the batch
+    norm), refresh the plots (always after the `last` step), and abort after `max_skipped` skipped steps in a row: after the log, so the batch
     that tipped it over is on record. Every rank calls it (every rank must raise)."""
     stats = ", ".join(f"{k}={row[k]:.4g}" for k in stat_keys if k in row)
     log.step(row)
     if skipped:
         log.write(f"step {row['step']}: non-finite loss or grad norm, optimizer step skipped ({stats})")
-    if plot:
-        log.plot()
+    log.plot(last)
     if skipped_run >= max_skipped:
         raise RuntimeError(f"{skipped_run} consecutive steps (up to step {row['step']}) had a non-finite loss or grad "
                            f"norm, train.max_skipped_steps={max_skipped}: aborting. Last batch: {stats}")

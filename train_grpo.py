@@ -153,7 +153,7 @@ class Log:
     run: str = "grpo"               # outputs go to <out_dir>/<run>/: metrics.jsonl, prompts.jsonl (each step's
                                     # prompt ids: what a resume must replay), config.json, curves.png, ckpt/, hf/
     out_dir: str = "out"            # outputs under <out_dir>/<run>/
-    plot_every: int = 25            # refresh PNG plots every N steps
+    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall seconds; a plot costs ~1 s)
     wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
     wandb_project: str = "nanoforge"  # W&B project
     tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
@@ -218,7 +218,7 @@ def validate(cfg, world_size):
             ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
             ("eval.pass_k", c.eval.pass_k >= 0, ">= 0 (0 = off)"),
             ("log.run", bool(c.log.run), "a non-empty name"),
-            ("log.plot_every", c.log.plot_every >= 1, ">= 1"),
+            ("log.plot_every_s", c.log.plot_every_s >= 0, ">= 0 (0 = every step)"),
             ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)")]:
         if not ok:
             section, key = name.split(".")
@@ -555,7 +555,7 @@ def main(argv=None):
         row["step"] = s + 1
         log.append("prompts.jsonl", {"step": s + 1, "ids": prompt_ids})
         run.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
-                        plot=(s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps)
+                        last=s + 1 == cfg.train.steps)
 
     # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
     checkpoint.export_hf(model, out / "hf", tokenizer_dir=path)

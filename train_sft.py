@@ -121,7 +121,7 @@ class Eval:
 class Log:
     run: str = "sft"                # outputs go to <out_dir>/<run>/ (nested names like demo/sft work)
     out_dir: str = "out"            # outputs under <out_dir>/<run>/
-    plot_every: int = 25            # refresh PNG plots every N steps
+    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall seconds; a plot costs ~1 s)
     wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
     wandb_project: str = "nanoforge"  # W&B project
     tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
@@ -332,7 +332,7 @@ def main(argv=None):
         row["perf/tokens_per_s"] = float(vec[2]) / max(train_s, 1e-9)
         row["step"] = s + 1
         run.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
-                        plot=(s + 1) % cfg.log.plot_every == 0 or s + 1 == cfg.train.steps or stop)
+                        last=s + 1 == cfg.train.steps or stop)
         if stop:
             log.write(f"eval/pass@1={row['eval/pass@1']:.3f} >= {cfg.eval.stop_at_accuracy} at step {s + 1}: "
                       "stopping (eval.stop_at_accuracy)")

@@ -166,7 +166,7 @@ def bench_grpo(shape, run, device, workdir, peak):
             f"--train.steps={run['steps']}", f"--rollout.prompts_per_step={run['prompts']}",
             f"--rollout.group_size={run['samples']}", f"--rollout.max_tokens={run['max_tokens']}",
             f"--train.micro_batch={run['micro_batch']}", "--loss.entropy_coef=0.01", "--eval.every=0",
-            f"--eval.num_problems={run['prompts']}", "--log.plot_every=1000", f"--log.out_dir={workdir}",
+            f"--eval.num_problems={run['prompts']}", "--log.plot_every_s=1e9", f"--log.out_dir={workdir}",
             "--log.run=grpo"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

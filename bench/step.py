@@ -70,7 +70,7 @@ def run_grpo(overrides, steps, out_dir, nproc=2, config="configs/tiny.py", timeo
     layout = ["--dist.generator_ranks=1", "--rollout.backend=vllm"] if nproc > 1 else []
     args = [config, f"--model.path={ckpt}", f"--train.steps={steps}",
             "--eval.every=0", "--eval.num_problems=8", "--log.run=run", f"--log.out_dir={out_dir}",
-            "--log.plot_every=1000000", *layout, *overrides]
+            "--log.plot_every_s=1e9", *layout, *overrides]
     env = {**os.environ, "NF_BENCH_OUT": str(out_dir), "TQDM_DISABLE": "1"}
     if profile:
         env["NF_BENCH_PROFILE"] = "1"

@@ -34,13 +34,13 @@ SFT_STEPS, SFT_CKPT = 40, 10
 SFT = ["configs/sft_tiny.py", f"--train.steps={SFT_STEPS}", "--train.batch_size=32", "--optim.warmup_steps=5",
        "--optim.lr=3e-3", "--eval.every=0", "--eval.num_problems=16", "--eval.stop_at_accuracy=0",
        "--data.max_digits=1", "--data.eval_min_digits=1", "--data.eval_max_digits=1", "--train.deterministic=true",
-       f"--ckpt.every={SFT_CKPT}", "--log.plot_every=1000"]
+       f"--ckpt.every={SFT_CKPT}", "--log.plot_every_s=1e9"]
 GRPO_STEPS = 6
 GRPO = ["configs/tiny.py", "--dist.generator_ranks=1", "--rollout.backend=vllm", "--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.max_tokens=20",
         "--eval.num_problems=16", "--eval.every=0", "--rollout.kv_cache_mb=32", "--dist.timeout_s=60",
         f"--train.steps={GRPO_STEPS}", "--ckpt.every=2", "--train.deterministic=true", "--optim.warmup_steps=2",
         "--optim.schedule=cosine", "--optim.lr=3e-3", "--optim.weight_decay=0.1", "--loss.entropy_coef=0.01",
-        "--data.min_digits=1", "--data.max_digits=1", "--log.plot_every=1000"]
+        "--data.min_digits=1", "--data.max_digits=1", "--log.plot_every_s=1e9"]
 # metrics that depend on the weights, the optimizer state, the schedule, the data and the sampling seeds
 GRPO_KEYS = ["rollout/reward_mean", "rollout/response_len", "loss/entropy", "loss/pg", "train/grad_norm", "train/lr",
              "train/skipped_steps", "rollout/staleness", "eval/pass@1"]
