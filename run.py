@@ -21,17 +21,40 @@ import dist
 
 
 def resolve_model(path, make_tiny):
-    """A local dir as is; the tiny checkpoint made once under a file lock; else a hub download."""
+    """A local dir as is; the tiny checkpoint made once under a file lock; else a hub download. Either way the
+    directory is checked (check_checkpoint) before anything heavy is loaded."""
     if make_tiny:
         import fcntl
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(str(path) + ".lock", "w") as f:  # every local rank calls this; one creates it
             fcntl.flock(f, fcntl.LOCK_EX)
             data.make_tiny_checkpoint(path, seed=0)
-    if Path(path, "config.json").exists():
-        return str(path)
-    from huggingface_hub import snapshot_download  # hub name: the only branch that needs network
-    return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    if not Path(path, "config.json").exists():
+        from huggingface_hub import snapshot_download  # hub name: the only branch that needs network
+        try:
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+        except Exception as e:  # offline, a typo, a gated repository: say which model.path and why
+            raise config.ConfigError(f"model.path={str(path)!r} is not a local checkpoint directory and the hub "
+                                     f"download failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    check_checkpoint(path)
+    return str(path)
+
+
+def check_checkpoint(path):
+    """Cheap checks of a checkpoint directory, so a bad one fails in seconds, naming the file or field, instead of
+    after an inference engine has started: config.json parses into a supported architecture, and the weights and
+    the tokenizer are there."""
+    from model import ModelConfig
+    path = Path(path)
+    cfg_file = path / "config.json"
+    try:
+        ModelConfig.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise config.ConfigError(f"model.path: {e}") from None
+    if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
+        raise config.ConfigError(f"model.path: no model.safetensors (nor model.safetensors.index.json) in {path}")
+    if not (path / "tokenizer.json").exists():
+        raise config.ConfigError(f"model.path: missing tokenizer file {path / 'tokenizer.json'}")
 
 
 def lr_lambda(warmup_steps, schedule, min_lr_ratio, horizon):
