@@ -32,6 +32,8 @@ def test_every_eval_sees_fresh_weights():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU 'auto' is vLLM")
 def test_auto_backend_is_the_torch_generator_on_cpu(tiny_ckpt):
-    cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rollout=SimpleNamespace(backend="auto"))
-    gen = rollout.build_generator(cfg, tiny_ckpt, max_model_len=64)
-    assert isinstance(gen, TorchGenerator)
+    for generator_ranks in (0, 1):  # colocated, and a dedicated rank with a small model and short generations
+        cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rollout=SimpleNamespace(backend="auto", max_tokens=40),
+                              dist=SimpleNamespace(generator_ranks=generator_ranks))
+        gen = rollout.build_generator(cfg, tiny_ckpt, max_model_len=64)
+        assert isinstance(gen, TorchGenerator)
