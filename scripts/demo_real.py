@@ -50,6 +50,15 @@ def run_phase(cmd, log_path):
     return seconds
 
 
+def backend(cfg):
+    """The generator the run used: "auto" resolved the way rollout.build_generator resolves it."""
+    if cfg["rollout"]["backend"] != "auto":
+        return cfg["rollout"]["backend"]
+    import generator
+    return "auto: " + generator.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
+                                                colocated=cfg["dist"]["generator_ranks"] == 0)
+
+
 def summarize(rows, seconds, cfg):
     evals = [(r["step"], r["eval/pass@1"]) for r in rows if "eval/pass@1" in r]
     train = [r for r in rows if "perf/step_s" in r]
@@ -64,7 +73,7 @@ def summarize(rows, seconds, cfg):
         "train_s": sum(r["perf/train_s"] for r in train) / max(len(train), 1),
         "reward_first": train[0]["rollout/reward_mean"] if train else None,
         "reward_last": train[-1]["rollout/reward_mean"] if train else None,
-        "evals": evals, "seed": cfg["train"]["seed"], "backend": cfg["rollout"]["backend"],
+        "evals": evals, "seed": cfg["train"]["seed"], "backend": backend(cfg),
         "batch": f"{cfg['rollout']['prompts_per_step']} prompts x {cfg['rollout']['group_size']} samples x "
                  f"{cfg['rollout']['max_tokens']} tokens",
     }
