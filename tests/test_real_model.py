@@ -136,6 +136,8 @@ def check_grpo_run(run_dir):
             assert k in r and math.isfinite(r[k]), (k, r.get(k))
         assert r["mismatch/abs_diff"] <= 1e-3, r["mismatch/abs_diff"]
     assert train[-1]["loss/kl"] > 0  # the reference model is on, and the policy moved away from it after step 1
+    print(f"{run_dir.name}: mismatch/abs_diff {[r['mismatch/abs_diff'] for r in train]}, "
+          f"loss/kl {[r['loss/kl'] for r in train]}")
     return train
 
 
