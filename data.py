@@ -15,8 +15,7 @@
   first-fit into rows whose positions restart per document; `step_batch`: a dataset's order per (seed, step).
 
 Malformed rows (missing or empty question/answer, a bad target) are skipped, counted, the first few shown; more
-than `max_bad_fraction` aborts (the wrong file or format). Left out: streaming datasets, multimodal messages,
-`continue_final_message`. Nothing heavy is imported at module level, so `import data` is fast.
+than `max_bad_fraction` aborts (a wrong file or format). Nothing heavy is imported here. Left out: streaming.
 """
 import json
 import random
@@ -87,6 +86,8 @@ class Tokenizer:
 
     def __init__(self, path):
         path = Path(path)
+        if not (path / "tokenizer.json").exists():  # tokenizers' own error does not say which file
+            raise FileNotFoundError(f"missing tokenizer file {path / 'tokenizer.json'}")
         self.tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg, gen = _read_json(path / "tokenizer_config.json"), _read_json(path / "generation_config.json")
         self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_TOKEN_NAMES if cfg.get(k) is not None}

