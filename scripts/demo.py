@@ -31,12 +31,13 @@ loss / reward / length / KL+entropy / step-time panels, config.json, and the Hug
 Overrides: `--sft.<section>.<field>=v` goes to train_sft.py, `--grpo.<section>.<field>=v` to
 train_grpo.py (tests run a shortened demo this way).
 
-Measured (seed 0, 2 idle CPU cores, torch 2.13 CPU): SFT stopped at step 1275 (dev 0.475 on its 200 problems)
-in 364 s; GRPO, 300 steps at ~0.65 s/step (shared-prompt update, inverse-CDF sampling, one process on both cores)
-in 212 s, raises held-out accuracy 0.386 -> 0.640 (evals every 50 steps: 0.29, 0.43, 0.43, 0.53, 0.48, 0.64, so
-+0.16 on the mean of the last three). At 250 steps, the previous setting, the same run ends at 0.476 (+0.09): the
-gain grows roughly +0.1 per 100 steps and the evals swing by +-0.05, hence 300. Whole demo 576 s (9.6 minutes),
-under the 10-minute goal; the earlier layout, 1 trainer + 1 vLLM rank, took 1.5 s/step and 12.5 minutes.
+Measured on a fresh clone (seed 0, 2 idle CPU cores, torch 2.13 CPU, 2026-12-01): SFT stopped at step 1275 (dev
+0.475 on its 200 problems) in 306 s (compute 253 s, 52 evals 26 s); GRPO, 300 steps at ~0.75 s/step (generation
+0.30 s, update 0.43 s; one process on both cores) in 251 s, raises held-out accuracy 0.386 -> 0.640 (evals every 50
+steps: 0.29, 0.43, 0.43, 0.53, 0.48, 0.64, so +0.16 on the mean of the last three). At 250 steps, an earlier
+setting, the same run ended at 0.476 (+0.09): the gain grows roughly +0.1 per 100 steps and the evals swing by
++-0.05, hence 300. Whole demo 558 s (9.3 minutes). It took 12-13.5 minutes on fresh clones before the plots were
+rate-limited (log.plot_every_s: a plot costs ~1 s, and every 25 steps it was a fifth of SFT's time).
 """
 import argparse
 import json
