@@ -23,31 +23,12 @@ Overrides: `--grpo.<section>.<field>=v` goes to train_grpo.py.
 """
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def run_phase(cmd, log_path):
-    """Run the trainer to completion, its output both on the terminal and in a log file; returns seconds."""
-    print(f"\n=== GRPO: {' '.join(cmd)}", flush=True)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-        rc = proc.wait()
-    seconds = time.perf_counter() - t0
-    if rc:
-        sys.exit(f"demo_real: GRPO failed with exit code {rc} after {seconds:.0f} s (full log: {log_path})")
-    return seconds
+from demo import run_phase  # noqa: E402  (scripts/demo.py: the trainer in a subprocess, teed to a log)
 
 
 def backend(cfg):
@@ -129,7 +110,7 @@ def main(argv=None):
     print(f"checkpoint: {fetch_model.fetch_smollm2()}", flush=True)  # converted once, outside the timed run
     cmd = [sys.executable, "train_grpo.py", "configs/smollm2_cpu.py", f"--log.out_dir={args.out_dir}",
            "--log.run=demo_real/grpo", f"--train.seed={args.seed}", *["--" + a[len("--grpo."):] for a in extra]]
-    seconds = run_phase(cmd, out / "grpo.log")
+    seconds = run_phase("GRPO", cmd, out / "grpo.log")
     rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     summary = summarize(rows, seconds, json.loads((out / "grpo" / "config.json").read_text()))
     plot(rows, out)
