@@ -56,7 +56,9 @@ def test_logits_match_transformers(smollm2, ours, tok):
     from transformers import LlamaForCausalLM
     hf = LlamaForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
     seqs = [data.prompt_ids(tok, q) for q in gsm8k_questions(2) + SHORT]
-    ids, mask = data.pad_batch(seqs, tok.pad_token_id, side="left")
+    T = max(map(len, seqs))  # left-padded, as generation prompts are
+    ids = torch.tensor([[tok.pad_token_id] * (T - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs])
     padded = ours(ids, attention_mask=mask)
     alone_gap, padded_gap = 0.0, 0.0
     for i, s in enumerate(seqs):
