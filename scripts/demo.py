@@ -36,7 +36,7 @@ Measured on a fresh clone (seed 0, 2 idle CPU cores, torch 2.13 CPU, 2026-12-01)
 0.30 s, update 0.43 s; one process on both cores) in 251 s, raises held-out accuracy 0.386 -> 0.640 (evals every 50
 steps: 0.29, 0.43, 0.43, 0.53, 0.48, 0.64, so +0.16 on the mean of the last three). At 250 steps, an earlier
 setting, the same run ended at 0.476 (+0.09): the gain grows roughly +0.1 per 100 steps and the evals swing by
-+-0.05, hence 300. Whole demo 558 s (9.3 minutes). It took 12-13.5 minutes on fresh clones before the plots were
++-0.05, hence 300. Whole demo 558 s (9.3 minutes; a second fresh-clone run: 563 s, same accuracies). It took 12-13.5 minutes on fresh clones before the plots were
 rate-limited (log.plot_every_s: a plot costs ~1 s, and every 25 steps it was a fifth of SFT's time).
 """
 import argparse
