@@ -21,9 +21,20 @@ disagree about what comes next; if they did, the run would hang until `dist.time
 that sync, so it generates while the trainers update on batch s: a one-batch pipeline whose weights
 are at most one version old (each completion carries the version that sampled it).
 
-Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), pipelining in
-colocated mode (the trainers generate, then train), and streaming or partial rollouts (a step's batch
-is collected whole).
+Colocated (`dist.generator_ranks = 0`) with `max_staleness >= 1`, a trainer generates batch s+1 before it
+updates on batch s: the same data as the pipeline (batch s sampled by the weights one version old), without
+the overlap, so a loss's behaviour under staleness can be measured on one CPU process.
+
+DAPO's dynamic sampling (`rollout.filter_zero_std`) refills the batch: a group whose G rewards are all
+equal has zero advantage, so after each round rank 0 scores the round's groups, broadcasts which are
+informative (0 < std) to every rank, and the producers generate another round of B fresh prompts, at
+most `rollout.refill_rounds` times, until B informative groups are collected (`refill`). Round k's
+prompts and sampling seeds are a pure function of (seed, step, k), so a resumed run redraws the same
+rounds. If the cap is reached first, zero-signal groups fill the remaining slots and the trainer masks
+them out (DAPO's filter without the refill is `refill_rounds = 0`).
+
+Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), overlapping generation and
+training in colocated mode, and streaming or partial rollouts (a step's batch is collected whole).
 """
 import functools
 import time
@@ -35,6 +46,7 @@ import config
 import data
 import dist
 import generator
+import losses
 import reward_guard
 import rewards
 import run
@@ -65,6 +77,73 @@ def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, 
                        max_tokens=cfg.rollout.max_tokens, seed=seed)
     generator.check_completions(out, len(mine), n)  # fewer completions than asked: an error, not a shape crash
     return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
+
+
+def sample_seed(cfg, step, round_=0):
+    """Sampling seed of step `step`'s generation round `round_` (0: the batch itself, k >= 1: DAPO refills)."""
+    return cfg.train.seed * 100_003 + step + 1_000_000_007 * round_
+
+
+def round_problems(train, step, round_, cfg):
+    """Step `step`'s prompts (round 0), or its k-th refill round's: B prompts from a stream of their own."""
+    return data.step_batch(train, step, cfg.rollout.prompts_per_step, cfg.train.seed + 1_000_003 * round_)
+
+
+def generate_step(gen, train, step, cfg, producer, num_producers, round_=0):
+    """This producer's share of step `step`'s batch (None on a rank without a generator)."""
+    if gen is None:
+        return None
+    dist.fault("kill_gen", step)  # test hook: SIGKILL this rank as it starts generating step s
+    return generate_share(gen, round_problems(train, step, round_, cfg), producer, num_producers,
+                          cfg.rollout.group_size, cfg.rollout.temperature, cfg, seed=sample_seed(cfg, step, round_))
+
+
+def ahead(step, cfg):
+    """Staleness >= 1: generate batch step+1 now (before the update on batch `step`)."""
+    return bool(cfg.rollout.max_staleness) and step + 1 < cfg.train.steps
+
+
+def informative(groups, problems, scorer):
+    """(B,) bools, the same on every rank: rank 0 (a trainer) scores, every rank takes its broadcast."""
+    flags = [None]
+    if tdist.get_rank() == 0:
+        flags = [(~losses.zero_std_groups(scorer(groups, problems))).tolist()]
+    tdist.broadcast_object_list(flags, src=0)
+    return flags[0]
+
+
+def refill(gen, train, step, problems, groups, cfg, producer, num_producers, scorer=None):
+    """DAPO dynamic sampling: up to `rollout.refill_rounds` more rounds until B groups have 0 < std (module
+    docstring). Returns the batch, informative groups first in the order drawn, and what it cost."""
+    B, kept, spare, rounds, gen_s = cfg.rollout.prompts_per_step, [], [], 0, 0.0
+    while True:
+        for p, g, ok in zip(problems, groups, informative(groups, problems, scorer)):
+            (kept if ok else spare).append((p, g))
+        if len(kept) >= B or rounds == cfg.rollout.refill_rounds:
+            break
+        rounds += 1
+        problems = round_problems(train, step, rounds, cfg)
+        groups, t = collect(generate_step(gen, train, step, cfg, producer, num_producers, rounds), B)
+        gen_s += t
+    chosen = (kept + spare)[:B]
+    stats = {"rollout/refill_rounds": float(rounds), "rollout/prompts_drawn": float(B * (rounds + 1)),
+             "rollout/informative_groups": float(min(len(kept), B))}
+    return [p for p, _ in chosen], [g for _, g in chosen], gen_s, stats
+
+
+def step_rollout(gen, train, step, cfg, producer, num_producers, local=None, scorer=None):
+    """Step `step`'s batch on every rank: prompts, generation (or the share made one step ahead: `local`),
+    collected in prompt order, refilled under dynamic sampling. Returns problems, groups, gen_s, stats."""
+    local = local or generate_step(gen, train, step, cfg, producer, num_producers)
+    t0 = time.perf_counter()
+    groups, gen_s = collect(local, cfg.rollout.prompts_per_step)
+    problems, stats = round_problems(train, step, 0, cfg), {"perf/wait_s": time.perf_counter() - t0}
+    if cfg.rollout.filter_zero_std:
+        problems, groups, more_s, fill = refill(gen, train, step, problems, groups, cfg, producer, num_producers,
+                                                scorer)
+        gen_s += more_s
+        stats.update(fill)
+    return problems, groups, gen_s, stats
 
 
 def collect(local, num_problems):
@@ -159,11 +238,6 @@ def sync_due(step, cfg):  # generators must see fresh weights before every eval
 def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
     """A dedicated generator rank: the trainer's sequence of collectives, with generation between."""
     producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
-    B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    def gen_step(s):
-        dist.fault("kill_gen", s)  # test hook: SIGKILL this generator rank as it starts generating step s
-        return generate_share(gen, data.step_batch(train, s, B, cfg.train.seed), producer, num_producers, G,
-                              cfg.rollout.temperature, cfg, seed=cfg.train.seed * 100_003 + s)
     receive = lambda version: lambda named: gen.update_weights(named, version)  # noqa: E731
     if start > 0:  # resumed: take the restored weights before generating anything
         weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
@@ -171,10 +245,9 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
         evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0, is_trainer=False)
     pending = None
     for s in range(start, cfg.train.steps):
-        local = pending or gen_step(s)
-        collect(local, B)
-        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s
-        pending = gen_step(s + 1) if cfg.rollout.max_staleness and s + 1 < cfg.train.steps else None
+        step_rollout(gen, train, s, cfg, producer, num_producers, pending)
+        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s's refill rounds
+        pending = generate_step(gen, train, s + 1, cfg, producer, num_producers) if ahead(s, cfg) else None
         if sync_due(s, cfg):  # version = optimizer steps taken
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         if run.eval_due(s, cfg):

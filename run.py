@@ -333,7 +333,7 @@ class RunLog:
     def plot(self, last=False):
         """Refresh the PNGs: at the last step, else at most every `plot_every_s` (matplotlib costs ~1 s a plot:
         every 25 steps it was a fifth of the demo's SFT time)."""
-        if self.is_log and (last or time.monotonic() - self.last_plot >= self.plot_every_s):
+        if self.is_log and self.plot_every_s >= 0 and (last or time.monotonic() - self.last_plot >= self.plot_every_s):
             import plots
             plots.plot_run(self.out / "metrics.jsonl", self.out)
             self.last_plot = time.monotonic()

@@ -21,7 +21,7 @@ Deliberate departures from the papers:
 - the KL term and loss aggregation follow losses.py's canonical choices (see its docstring);
 - micro-batches are weighted by their share of sequences, an approximation for token-mean losses
   when token counts differ between micro-batches (verl and TRL make the same trade);
-- DAPO's dynamic sampling drops zero-signal groups but does not re-sample to refill the batch;
+- DAPO's dynamic sampling refills with at most `rollout.refill_rounds` extra rounds, then masks what is left;
 - REINFORCE++ whitening uses each data-parallel rank's local batch, not the global one.
 
 Launch lines:
@@ -91,7 +91,9 @@ class Rollout:
                                     # free memory at start; colocated it must leave the trainer room (e.g. 0.3)
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode is launch-bound)
     max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
-    filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal
+    filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal, and refill
+    refill_rounds: int = 4          # dynamic sampling: at most this many extra rounds of B prompts per step until
+                                    # B groups have 0 < std (0 = drop only; the rest is masked out if the cap hits)
     overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
     rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
                                     # math | think | format | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
@@ -153,7 +155,7 @@ class Log:
     run: str = "grpo"               # outputs go to <out_dir>/<run>/: metrics.jsonl, prompts.jsonl (each step's
                                     # prompt ids: what a resume must replay), config.json, curves.png, ckpt/, hf/
     out_dir: str = "out"            # outputs under <out_dir>/<run>/
-    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall seconds; a plot costs ~1 s)
+    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall s; a plot costs ~1 s; -1 never)
     wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
     wandb_project: str = "nanoforge"  # W&B project
     tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
@@ -191,6 +193,7 @@ def validate(cfg, world_size):
             ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 1, ">= 1"),
             ("rollout.gpu_memory_utilization", 0 < c.rollout.gpu_memory_utilization <= 1, "in (0, 1]"),
             ("rollout.max_staleness", c.rollout.max_staleness >= 0, ">= 0"),
+            ("rollout.refill_rounds", c.rollout.refill_rounds >= 0, ">= 0"),
             ("rollout.overlong_cache", 0 <= c.rollout.overlong_cache < c.rollout.max_tokens,
              ">= 0 and < rollout.max_tokens"),
             ("rollout.reward_timeout_s", c.rollout.reward_timeout_s > 0, "> 0"),
@@ -218,7 +221,7 @@ def validate(cfg, world_size):
             ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
             ("eval.pass_k", c.eval.pass_k >= 0, ">= 0 (0 = off)"),
             ("log.run", bool(c.log.run), "a non-empty name"),
-            ("log.plot_every_s", c.log.plot_every_s >= 0, ">= 0 (0 = every step)"),
+            ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1, ">= 0 (0: every step), -1 never"),
             ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)")]:
         if not ok:
             section, key = name.split(".")
@@ -233,6 +236,13 @@ def validate(cfg, world_size):
         losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
     except (TypeError, ValueError) as e:
         raise err(f"loss.kwargs: {e}") from None
+    stale = cfg.rollout.max_staleness or cfg.train.ppo_epochs * cfg.train.minibatches > 1
+    if cfg.loss.name == "simple_grpo" and stale:
+        # a warning, not a refusal: the loss comparison measures exactly this case (scripts/compare.py)
+        print("warning: loss.name='simple_grpo' ignores old logprobs (its ratio is always 1), so with "
+              f"rollout.max_staleness={cfg.rollout.max_staleness}, train.ppo_epochs={cfg.train.ppo_epochs}, "
+              f"train.minibatches={cfg.train.minibatches} nothing corrects for the stale policy; use 'grpo' "
+              "for off-policy or multi-update training", file=sys.stderr)
     if cfg.loss.adv not in ("grpo", "drgrpo", "rloo", "reinforce_pp"):
         raise err(f"loss.adv: {cfg.loss.adv!r} is not one of grpo, drgrpo, rloo, reinforce_pp")
     if cfg.loss.adv != "reinforce_pp" and cfg.rollout.group_size < 2:
@@ -484,7 +494,8 @@ def main(argv=None):
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
     log = run.RunLog(cfg, out, start, roles.rank == 0, SHOWN, logs=("metrics.jsonl", "prompts.jsonl"))
-    num_failed_saves = 0
+    num_failed_saves, pending = 0, None
+    scorer = lambda groups, problems: rollout.score(groups, problems, reward_fns, weights, cfg, pool)[0]  # noqa: E731
     if start == 0:
         ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         log.step({"step": 0, **ev}, progress=False)
@@ -492,17 +503,14 @@ def main(argv=None):
     # ---- 4. the loop ------------------------------------------------------------------------------
     for s in range(start, cfg.train.steps):
         t_step, perf = time.perf_counter(), {}
-        # 4a. prompts: a pure function of (seed, step), identical on every rank
-        problems = data.step_batch(train, s, B, cfg.train.seed)
+        # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share (or did, one step
+        # ahead), dedicated ones wait for the generators; dynamic sampling refills the batch (all in rollout.py)
+        problems, groups, perf["perf/gen_s"], fill = rollout.step_rollout(gen, train, s, cfg, producer, num_producers,
+                                                                          pending, scorer)
+        pending = rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers) if rollout.ahead(s, cfg) \
+            else None  # colocated and stale: batch s+1 sampled now, by the weights before this update
         prompt_ids = [p["id"] for p in problems]  # logged to prompts.jsonl: which data each step saw
-        # 4b. generate: colocated trainers generate their share; dedicated ones wait for the generators
-        local = None
-        if gen is not None:
-            dist.fault("kill_gen", s)  # test hook: SIGKILL this rank as it starts generating step s
-            local = rollout.generate_share(gen, problems, producer, num_producers, G, T, cfg,
-                                           seed=cfg.train.seed * 100_003 + s)
-        with run.timed(perf, "perf/wait_s"):
-            groups, perf["perf/gen_s"] = rollout.collect(local, B)
+        perf.update(fill)
         lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
         problems, groups = problems[lo:hi], groups[lo:hi]
         # 4c. rewards (B/dp, G)

@@ -121,7 +121,7 @@ class Eval:
 class Log:
     run: str = "sft"                # outputs go to <out_dir>/<run>/ (nested names like demo/sft work)
     out_dir: str = "out"            # outputs under <out_dir>/<run>/
-    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall seconds; a plot costs ~1 s)
+    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall s; a plot costs ~1 s; -1 never)
     wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
     wandb_project: str = "nanoforge"  # W&B project
     tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
