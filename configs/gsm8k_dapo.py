@@ -8,8 +8,8 @@ exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm
 loss.name = "dapo"
 loss.kwargs = {"clip_low": 0.2, "clip_high": 0.28}  # Clip-Higher (paper sec. 4.1); token-mean (eq. 12); no KL
 loss.adv = "grpo"                                   # group z-score
-rollout.filter_zero_std = True                      # dynamic sampling: drop all-right / all-wrong groups
-# NOTE: train_grpo drops those groups but does not re-sample to refill the batch (its docstring says so).
+rollout.filter_zero_std = True                      # dynamic sampling: drop all-right / all-wrong groups and
+rollout.refill_rounds = 4                           # refill: up to 4 more rounds of B prompts until B groups count
 rollout.max_tokens = 1024                           # L_max; the paper's is 20480 = 16384 + a 4096 cache ...
 rollout.overlong_cache = 256                        # ... soft overlong punishment over the last 1/4 of the budget
 # (the paper's window is 1/5 of L_max; with GSM8K's short answers only runaway responses reach it).

@@ -49,7 +49,7 @@ import demo  # noqa: E402  (scripts/demo.py: run_phase, split_overrides, read_me
 sys.path.insert(0, str(demo.ROOT))
 import losses  # noqa: E402
 
-LRS, STALENESS, SEEDS, STEPS, EVAL_EVERY = (3e-5, 1e-4, 3e-4), (0, 1), (0, 1, 2), 28, 10
+LRS, STALENESS, SEEDS, STEPS, EVAL_EVERY = (3e-5, 1e-4, 3e-4), (0, 1), (0, 1, 2), 26, 10
 QUICK = dict(lrs=LRS, staleness=(0,), seeds=(0,), steps=20)
 # name -> (losses.LOSSES key, its own settings). configs/tiny.py's loss.kwargs are GRPO's, so each row sets its own.
 KNOBS = {
@@ -58,7 +58,7 @@ KNOBS = {
     "dapo": ("dapo", ["--loss.kwargs={}", "--rollout.filter_zero_std=true"]),  # clip 0.2/0.28, dynamic sampling
     "cispo": ("cispo", ["--loss.kwargs={}"]),                                 # clipped IS weight (cap 5) on lp
     "gspo": ("gspo", ["--loss.kwargs={}"]),                                   # sequence ratio, clip 3e-4 / 4e-4
-    "sapo": ("sapo", ["--loss.kwargs={}"]),                                   # soft gate, tau 1.0 / 1.05
+    "sapo": ("sapo", ['--loss.kwargs={"tau_pos": 1.0, "tau_neg": 1.05}']),    # soft gate at the paper's tau
     "simple_grpo": ("simple_grpo", ['--loss.kwargs={"beta": 0.0}']),          # torchforge's, without its KL
     "reinforce": ("reinforce", ["--loss.kwargs={}"]),                         # token-mean, IS weight in [0.1, 10]
     # not in the default grid: SAPO with a gate that closes (notes/loss-stability.md: tau ~ 1 barely gates)
@@ -223,7 +223,8 @@ def floats(text):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out_dir", default="out", help="outputs go to <out_dir>/compare/")
+    ap.add_argument("--out_dir", default="out", help="outputs go to <out_dir>/<name>/")
+    ap.add_argument("--name", default="compare", help="a grid of its own: <out_dir>/<name>/ (e.g. longer runs)")
     ap.add_argument("--quick", action="store_true", help=f"the <= 10 minute grid: {QUICK}")
     ap.add_argument("--losses", default=",".join(DEFAULT), help=f"comma-separated, of {list(KNOBS)}")
     ap.add_argument("--lrs", type=floats, help=f"comma-separated (default {LRS})")
@@ -239,7 +240,7 @@ def main(argv=None):
     unknown = [n for n in names if n not in KNOBS]
     if unknown:
         sys.exit(f"compare: unknown loss {unknown} (scripts/compare.py KNOBS has {list(KNOBS)})")
-    out = Path(args.out_dir, "compare")
+    out = Path(args.out_dir, args.name)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     start = start_checkpoint(args.out_dir)
     results = {"cells": []}

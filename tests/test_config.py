@@ -145,3 +145,17 @@ def test_a_wrong_world_size_fails_validation():
     cfg = train_grpo.parse_config([str(ROOT / "configs" / "gsm8k_dapo.py")])
     with pytest.raises(config.ConfigError):
         train_grpo.validate(cfg, 2)
+
+
+def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
+    """SimpleGRPO's ratio is always 1 (it ignores old_logprobs): stale batches or several updates per batch get a
+    warning at config time, naming the fields; on-policy with one update it says nothing."""
+    import train_grpo
+    base = [str(ROOT / "configs" / "tiny.py"), f"--model.path={tiny_ckpt}", "--loss.name=simple_grpo",
+            "--loss.kwargs={}"]
+    train_grpo.validate(train_grpo.parse_config(base), 1)
+    assert "simple_grpo" not in capsys.readouterr().err
+    for extra in ("--rollout.max_staleness=1", "--train.ppo_epochs=2", "--train.minibatches=2"):
+        train_grpo.validate(train_grpo.parse_config([*base, extra]), 1)
+        err = capsys.readouterr().err
+        assert "warning: loss.name='simple_grpo' ignores old logprobs" in err and extra[2:].split("=")[0] in err

@@ -142,3 +142,64 @@ def test_bench_gpu_cpu_smoke():
     for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU",
                 "trainer TFLOP/s, MFU", "logprob peak, T=64 fwd+bwd", "torch generator"):
         assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
+
+
+# A reward under which ~3 of 4 groups are unanimous: only prompts whose answer is divisible by 4 can score, and
+# among those the score is the parity of the response's length, which a random model varies within a group.
+SPARSE_REWARD = '''
+class Sparse:
+    def __call__(self, prompt, response, target):
+        return float(len(response) % 2) if int(target) % 4 == 0 else 0.0
+'''
+REFILL = ["--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.filter_zero_std=true",
+          "--rollout.refill_rounds=12", "--loss.name=dapo", "--loss.kwargs={}", "--eval.every=0"]
+
+
+def check_refilled(run_dir, cfg_args):
+    """Every trained batch holds B informative groups: the logged prompts all have answers divisible by 4 (the
+    only groups that can have 0 < std), the trained rewards have no zero-std group, and refills happened."""
+    import data
+    import train_grpo
+    cfg = train_grpo.parse_config(["configs/tiny.py", *SMALL, *cfg_args])
+    train, _, _ = train_grpo.load_tasks(cfg, data.Tokenizer(cfg.model.path))
+    rows = [r for r in metrics(run_dir / "metrics.jsonl") if "perf/step_s" in r]
+    prompts = metrics(run_dir / "prompts.jsonl")
+    assert [p["step"] for p in prompts] == [r["step"] for r in rows]
+    for r, p in zip(rows, prompts):
+        assert len(p["ids"]) == 8 and all(int(train[i]["target"]) % 4 == 0 for i in p["ids"]), p
+        assert r["rollout/zero_std_frac"] == 0 and r["rollout/informative_groups"] == 8
+        assert r["rollout/prompts_drawn"] == 8 * (r["rollout/refill_rounds"] + 1)
+    assert sum(r["rollout/refill_rounds"] for r in rows) >= len(rows)  # about 3 rounds a step at this sparsity
+    return rows, prompts
+
+
+def test_dynamic_sampling_refills_to_b_informative_groups_and_resumes(tmp_path, start_ckpt, monkeypatch):
+    """DAPO dynamic sampling, colocated, one process, stale by one batch: every trained batch is refilled to B
+    informative groups; a resume from step 2 redraws the same rounds (same prompts, same metrics)."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "sparse.py").write_text(SPARSE_REWARD)
+    common = [f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch", *REFILL,
+              f"--rollout.rewards={{'{tmp_path}/sparse.py:Sparse': 1.0}}", "--rollout.max_staleness=1",
+              "--train.steps=4", "--ckpt.every=2", "--optim.lr=0.01"]
+    run([*common, "--log.run=a"], tmp_path, nproc=0)
+    rows, prompts = check_refilled(tmp_path / "a", common)
+    # batch 0 is fresh; later round-0 groups are one step old (refill rounds are sampled by the current weights)
+    assert rows[0]["rollout/staleness"] == 0 and max(r["rollout/staleness"] for r in rows[1:]) > 0
+    shutil.copytree(tmp_path / "a" / "ckpt" / "step_2", tmp_path / "b" / "ckpt" / "step_2")
+    run([*common, "--log.run=b", "--ckpt.resume=auto"], tmp_path, nproc=0)
+    resumed, resumed_prompts = check_refilled(tmp_path / "b", common)
+    assert resumed_prompts == prompts[2:]
+    for a, b in zip(rows[2:], resumed):
+        for k in ("rollout/refill_rounds", "rollout/reward_mean", "rollout/response_len", "loss/pg"):
+            assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+
+
+def test_dynamic_sampling_refills_with_a_dedicated_generator_rank(tmp_path, start_ckpt, monkeypatch):
+    """The same with 1 trainer + 1 vLLM rank, generating one batch ahead: rank 0 scores each round and broadcasts
+    which groups count, so the generator rank knows whether another round follows."""
+    monkeypatch.chdir(ROOT)
+    (tmp_path / "sparse.py").write_text(SPARSE_REWARD)
+    common = [f"--model.path={start_ckpt}", *REFILL, f"--rollout.rewards={{'{tmp_path}/sparse.py:Sparse': 1.0}}",
+              "--rollout.max_staleness=1", "--train.steps=3", "--log.run=d"]
+    run(common, tmp_path)
+    check_refilled(tmp_path / "d", common)
