@@ -34,7 +34,9 @@ rounds. If the cap is reached first, zero-signal groups fill the remaining slots
 them out (DAPO's filter without the refill is `refill_rounds = 0`).
 
 Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), overlapping generation and
-training in colocated mode, and streaming or partial rollouts (a step's batch is collected whole).
+training in colocated mode, and streaming or partial rollouts (a step's batch is collected whole). A run
+resumed at step s with staleness >= 1 samples batch s with the restored weights (version s, not s-1: the
+checkpoint holds no older weights), so its first batch is on-policy; the prompts are the same.
 """
 import functools
 import time

@@ -17,13 +17,17 @@ aggregation and normalisation. No KL term anywhere (beta = 0).
 
 Held fixed: the start checkpoint (the demo's SFT export out/demo/sft/hf, made first if missing: held-out 0.386
 at seed 0), rollouts (32 prompts x 8 samples, temperature 1, 40 tokens), AdamW (0.9, 0.99), clip 1.0, one
-update per batch, greedy eval on 500 held-out problems at steps 0, 10, 20, 30. The seed changes the prompts,
+update per batch, greedy eval on 500 held-out problems at steps 0, 10, 20, 22. The seed changes the prompts,
 the sampling and the held-out set (so the start accuracy differs a little between seeds).
 
-Why 30 steps and these lrs: 144 cells must fit 60 minutes on 2 cores, ~25 s a cell; a step costs ~0.72 s
-(measured: generation 0.27 s, update 0.42 s) and an eval 0.67 s. Probes before the grid (GRPO, seed 0,
-on-policy): lr 1e-4 gave 0.386 -> 0.46 at step 20 and 0.53 at 40; 3e-4 fell to 0.20-0.29 by step 20-50
-before recovering (the demo's dip); 1e-3 collapsed to 0. LRS spans 3e-5..3e-4 (10x) around that.
+Why 22 steps and these lrs: 144 cells must fit 60 minutes on 2 cores, 25 s a cell. Measured in a first grid
+at 26 steps: a step costs 0.8-1.0 s (generation 0.31 s, update 0.44 s, more when the box is busy), an eval
+0.6 s, a cell's start ~1.6 s, and DAPO's refill rounds add ~30% to its cells: 26 steps averaged 28.5 s a cell,
+68 minutes for the grid. Probes before the grid (GRPO, seed 0, on-policy): lr 1e-4 gave 0.386 -> 0.46 at
+step 20 and 0.53 at 40; 3e-4 fell to 0.20-0.29 by step 20-50 before recovering (the demo's dip); 1e-3
+collapsed to 0. LRS spans 3e-5..3e-4 (10x) around that. 22 steps separate a loss that learns from one that
+collapses; they are short of what a +0.10 gain needs, so `--name=long --steps=100` reruns each loss's best
+cell longer (README "Loss comparison").
 
 A cell is `diverged` if it aborted (non-finite steps) or its final accuracy is below half its start.
 Resumable: results.json is rewritten after every cell and a rerun skips every cell already in it (same
@@ -49,7 +53,7 @@ import demo  # noqa: E402  (scripts/demo.py: run_phase, split_overrides, read_me
 sys.path.insert(0, str(demo.ROOT))
 import losses  # noqa: E402
 
-LRS, STALENESS, SEEDS, STEPS, EVAL_EVERY = (3e-5, 1e-4, 3e-4), (0, 1), (0, 1, 2), 26, 10
+LRS, STALENESS, SEEDS, STEPS, EVAL_EVERY = (3e-5, 1e-4, 3e-4), (0, 1), (0, 1, 2), 22, 10
 QUICK = dict(lrs=LRS, staleness=(0,), seeds=(0,), steps=20)
 # name -> (losses.LOSSES key, its own settings). configs/tiny.py's loss.kwargs are GRPO's, so each row sets its own.
 KNOBS = {
@@ -227,7 +231,8 @@ def main(argv=None):
     ap.add_argument("--name", default="compare", help="a grid of its own: <out_dir>/<name>/ (e.g. longer runs)")
     ap.add_argument("--quick", action="store_true", help=f"the <= 10 minute grid: {QUICK}")
     ap.add_argument("--losses", default=",".join(DEFAULT), help=f"comma-separated, of {list(KNOBS)}")
-    ap.add_argument("--lrs", type=floats, help=f"comma-separated (default {LRS})")
+    ap.add_argument("--lrs", help=f"comma-separated (default {LRS}), or 'best': each loss's best on-policy lr in "
+                    "<out_dir>/compare/results.json")
     ap.add_argument("--staleness", type=lambda t: tuple(int(x) for x in t.split(",")), help=f"default {STALENESS}")
     ap.add_argument("--seeds", type=lambda t: tuple(int(x) for x in t.split(",")), help=f"default {SEEDS}")
     ap.add_argument("--steps", type=int, help=f"GRPO steps per cell (default {STEPS})")
@@ -237,6 +242,11 @@ def main(argv=None):
     base = QUICK if args.quick else dict(lrs=LRS, staleness=STALENESS, seeds=SEEDS, steps=STEPS)
     grid = {k: getattr(args, k) or v for k, v in base.items()}
     names = args.losses.split(",")
+    if grid["lrs"] == "best":  # e.g. longer runs of each loss's best cell: --name=long --lrs=best --steps=60
+        best = best_lrs(json.loads(Path(args.out_dir, "compare", "results.json").read_text())["cells"])
+        lrs = {name: (best[name, 0],) for name in names}
+    else:
+        lrs = {name: floats(grid["lrs"]) if isinstance(grid["lrs"], str) else grid["lrs"] for name in names}
     unknown = [n for n in names if n not in KNOBS]
     if unknown:
         sys.exit(f"compare: unknown loss {unknown} (scripts/compare.py KNOBS has {list(KNOBS)})")
@@ -250,7 +260,7 @@ def main(argv=None):
     todo = []
     for name in names:
         for st in grid["staleness"]:
-            for lr in grid["lrs"]:
+            for lr in lrs[name]:
                 for seed in grid["seeds"]:
                     cell = dict(loss=name, lr=lr, staleness=st, seed=seed, steps=grid["steps"])
                     cell["id"] = f"{name}_lr{lr:g}_st{st}_s{seed}_n{grid['steps']}"

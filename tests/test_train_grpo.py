@@ -174,17 +174,15 @@ def check_refilled(run_dir, cfg_args):
 
 
 def test_dynamic_sampling_refills_to_b_informative_groups_and_resumes(tmp_path, start_ckpt, monkeypatch):
-    """DAPO dynamic sampling, colocated, one process, stale by one batch: every trained batch is refilled to B
-    informative groups; a resume from step 2 redraws the same rounds (same prompts, same metrics)."""
+    """DAPO dynamic sampling, colocated, one process: every trained batch is refilled to B informative groups; a
+    resume from step 2 redraws the same rounds (same prompts, same metrics)."""
     monkeypatch.chdir(ROOT)
     (tmp_path / "sparse.py").write_text(SPARSE_REWARD)
     common = [f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch", *REFILL,
-              f"--rollout.rewards={{'{tmp_path}/sparse.py:Sparse': 1.0}}", "--rollout.max_staleness=1",
-              "--train.steps=4", "--ckpt.every=2", "--optim.lr=0.01"]
+              f"--rollout.rewards={{'{tmp_path}/sparse.py:Sparse': 1.0}}", "--train.steps=4", "--ckpt.every=2",
+              "--optim.lr=0.01"]
     run([*common, "--log.run=a"], tmp_path, nproc=0)
     rows, prompts = check_refilled(tmp_path / "a", common)
-    # batch 0 is fresh; later round-0 groups are one step old (refill rounds are sampled by the current weights)
-    assert rows[0]["rollout/staleness"] == 0 and max(r["rollout/staleness"] for r in rows[1:]) > 0
     shutil.copytree(tmp_path / "a" / "ckpt" / "step_2", tmp_path / "b" / "ckpt" / "step_2")
     run([*common, "--log.run=b", "--ckpt.resume=auto"], tmp_path, nproc=0)
     resumed, resumed_prompts = check_refilled(tmp_path / "b", common)
@@ -192,6 +190,17 @@ def test_dynamic_sampling_refills_to_b_informative_groups_and_resumes(tmp_path, 
     for a, b in zip(rows[2:], resumed):
         for k in ("rollout/refill_rounds", "rollout/reward_mean", "rollout/response_len", "loss/pg"):
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
+
+
+def test_colocated_staleness_one_trains_on_the_previous_weights_samples(tmp_path, start_ckpt):
+    """Colocated with max_staleness=1: batch s+1 is sampled before the update on batch s, so from step 2 on every
+    completion is exactly one version old and the PPO ratio against the generator's logprobs is not 1."""
+    run([f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch", "--train.steps=3",
+         "--rollout.max_staleness=1", "--loss.entropy_coef=0.01", "--optim.lr=0.01", "--eval.every=0",
+         "--log.run=c"], tmp_path, nproc=0)
+    rows = [r for r in metrics(tmp_path / "c" / "metrics.jsonl") if "perf/step_s" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["mismatch/abs_diff"] < 1e-5 < rows[1]["mismatch/abs_diff"]  # the policy moved in between
 
 
 def test_dynamic_sampling_refills_with_a_dedicated_generator_rank(tmp_path, start_ckpt, monkeypatch):
