@@ -46,7 +46,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.utils.checkpoint import checkpoint
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -227,12 +226,17 @@ class Attention(nn.Module):
             kv_cache.v[self.layer_idx, :, :, cache_pos:cache_pos + T] = v
             k = kv_cache.k[self.layer_idx, :, :, :cache_pos + T]
             v = kv_cache.v[self.layer_idx, :, :, :cache_pos + T]
+        dtype = q.dtype
+        if dtype == torch.bfloat16 and q.device.type == "cpu" and kv_cache is None:
+            # CPU's bf16 flash-attention backward runs at a fraction of its fp32 speed (measured 4x, bench/update.py);
+            # attention is a few % of the FLOPs, so training attends in fp32 (the generator keeps its bf16 cache)
+            q, k, v = q.float(), k.float(), v.float()
         if isinstance(mask, SharedPrefix):
             y = mask.attend(q, k, v)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                enable_gqa=q.shape[1] != k.shape[1])
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.o_proj(y.to(dtype).transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -259,31 +263,71 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _chunk_logp(h, t, lm_head, temperature, return_entropy):
-    logp_all = torch.log_softmax(lm_head(h).float() / temperature, dim=-1)  # (n, V) fp32: one chunk only
-    logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
-    if not return_entropy:
-        return (logp,)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
+class ChunkLogp(torch.autograd.Function):
+    """One chunk's fp32 logp = log_softmax(z)[t] and entropy H = -sum_v p_v log p_v, z = (h W^T) / temperature,
+    with the backward written out instead of left to autograd. Only the chunk's input h is saved; backward
+    recomputes its logits once and forms the logits' gradient in closed form,
+        dlogp/dz = onehot(t) - p,      dH/dz = -p * (log p + H)        (then / temperature),
+    in place in one (n, V) buffer: a handful of passes over the chunk's logits instead of autograd's chain of
+    div, log_softmax, gather, exp and mul, each with its own backward and saved (n, V) tensors."""
+
+    @staticmethod
+    def forward(ctx, h, weight, t, temperature, return_entropy):
+        ctx.set_materialize_grads(False)  # an entropy used only for logging (detached) gets None: the cheap backward
+        logp_all = ChunkLogp._log_softmax(h, weight, temperature)
+        logp = logp_all.gather(-1, t[:, None]).squeeze(-1)
+        ent = -(logp_all.exp() * logp_all).sum(-1) if return_entropy else None
+        ctx.save_for_backward(h, weight, t, ent)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        h, weight, t, ent = ctx.saved_tensors
+        logp_all = ChunkLogp._log_softmax(h, weight, ctx.temperature)
+        p = logp_all.exp()
+        g_logp = torch.zeros_like(t, dtype=torch.float32) if g_logp is None else g_logp
+        grad = logp_all  # reused in place: -p * (g_logp + g_ent * (log p + H)), then + g_logp at the target
+        if ent is not None and g_ent is not None:
+            grad.add_(ent[:, None]).mul_(g_ent[:, None]).add_(g_logp[:, None]).mul_(p).neg_()
+        else:
+            grad = p.mul_(-g_logp[:, None])
+        grad.scatter_add_(-1, t[:, None], g_logp[:, None])
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        grad = grad.to(h.dtype)
+        grad_h = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad.T @ h if ctx.needs_input_grad[1] else None
+        return grad_h, grad_w, None, None, None
+
+    @staticmethod
+    def _log_softmax(h, weight, temperature):
+        z = F.linear(h, weight).float()
+        return torch.log_softmax(z if temperature == 1.0 else z.div_(temperature), dim=-1)  # (n, V): one chunk
 
 
 def chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_entropy=False, chunk=1024):
     """hidden (B, T, D) final-norm states, lm_head: (n, D) -> (n, V), targets (B, T) token ids.
     Returns logp (B, T) fp32 = log_softmax(lm_head(hidden).float() / temperature)[targets] (+ entropy (B, T)),
-    `chunk` tokens at a time. Under autograd every chunk is checkpointed: only its (n, D) input is saved and its
-    logits are recomputed in backward, so neither pass holds more than one chunk's (chunk, V) fp32 tensors."""
+    `chunk` tokens at a time (ChunkLogp). Under autograd every chunk saves only its (n, D) input and recomputes its
+    logits in backward, so neither pass holds more than one chunk's (chunk, V) fp32 tensors."""
     B, T, D = hidden.shape
     h, t = hidden.reshape(B * T, D), targets.reshape(B * T)
-    outs = []
-    for i in range(0, B * T, chunk):
-        args = (h[i:i + chunk], t[i:i + chunk], lm_head, temperature, return_entropy)
-        if torch.is_grad_enabled():
-            outs.append(checkpoint(_chunk_logp, *args, use_reentrant=False))
-        else:
-            outs.append(_chunk_logp(*args))
+    outs = [ChunkLogp.apply(h[i:i + chunk], lm_head.weight, t[i:i + chunk], temperature, return_entropy)
+            for i in range(0, B * T, chunk)]
     # clone: FSDP2 warns about view outputs (an in-place op on one would bypass its backward hooks); (B, T) is cheap
-    res = [torch.cat(parts).view(B, T).clone() for parts in zip(*outs)]
+    res = [torch.cat(parts).view(B, T).clone() for parts in zip(*outs) if parts[0] is not None]
     return tuple(res) if return_entropy else res[0]
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, attn_pairs: int, logit_tokens: int) -> int:
+    """Matmul FLOPs of one forward pass (2 per multiply-add): every block weight once per token, the lm_head only
+    where logits are taken, and attention's two products (q k^T, then p v) over every (query, key) pair SDPA computes
+    (a dense mask computes the masked pairs too). A backward costs twice a forward, so an update is 3x this: the
+    "6 * params * tokens" rule, counted per part. Norms, RoPE, softmax and the optimizer are left out (not matmuls)."""
+    D, L, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+    block = D * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * D * cfg.intermediate_size
+    return 2 * (L * block * tokens + D * cfg.vocab_size * logit_tokens) + 4 * L * cfg.num_attention_heads * hd * attn_pairs
 
 
 class Transformer(nn.Module):
@@ -302,14 +346,18 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=0.02)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.flops = 0  # matmul FLOPs of every forward so far (forward_flops); the trainer resets it per update
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, *, targets=None, temperature=1.0,
                 return_entropy=False, kv_cache=None, cache_pos=0, logits_chunk=1024, prefix=None):
         B, T = input_ids.shape
         if prefix is not None:  # (prompt_ids, prompt_mask, rows): see SharedPrefix; attention_mask is (B, Pp + T)
             input_ids, position_ids, mask = self._shared_prefix(input_ids, attention_mask, *prefix)
+            U, Pp = mask.U, mask.Pp
+            self.flops += forward_flops(self.cfg, U * Pp + B * T, U * Pp * Pp + B * T * (Pp + T), B * T)
         else:
             position_ids, mask = self._positions_and_mask(input_ids, position_ids, attention_mask, kv_cache, cache_pos)
+            self.flops += forward_flops(self.cfg, B * T, B * T * (cache_pos + T), B * T)
         freqs = position_ids[:, None, :, None].float() * rope_inv_freq(self.cfg, input_ids.device)  # (B, 1, T, D/2)
         x = self.model.embed_tokens(input_ids)
         cos, sin = freqs.cos().repeat(1, 1, 1, 2).to(x.dtype), freqs.sin().repeat(1, 1, 1, 2).to(x.dtype)

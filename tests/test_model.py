@@ -226,6 +226,21 @@ def test_logprobs_entropy_and_grads_match_naive(temperature):
     with torch.no_grad():
         assert torch.equal(m(ids, attention_mask=mask, targets=targets, temperature=temperature, logits_chunk=5),
                            logp.detach())
+    # logp alone under autograd (SFT's path): model.ChunkLogp's backward without the entropy term
+    m.zero_grad()
+    logits = m(ids, attention_mask=mask)
+    (torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None])[..., 0] * mask).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    (m(ids, attention_mask=mask, targets=targets, temperature=temperature, logits_chunk=5) * mask).sum().backward()
+    for n, p in m.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n
+    m.zero_grad()  # the entropy computed but only logged (train_grpo's default): its backward is skipped
+    logp, ent = m(ids, attention_mask=mask, targets=targets, temperature=temperature, return_entropy=True,
+                  logits_chunk=5)
+    (logp * mask).sum().backward()
+    for n, p in m.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[n], atol=1e-5, rtol=1e-4), n
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -355,3 +370,35 @@ def test_grpo_response_logp_equals_each_sequence_alone():
                 alone = m(seq[:, :-1], targets=seq[:, 1:], temperature=0.7)[0, len(c.prompt_ids) - 1:]
             assert (logp[k, :len(c.token_ids)] - alone).abs().max() < 1e-5, (rows, r)
             assert torch.isfinite(ent[k]).all()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["padded", "shared_prefix"])
+def test_forward_flops_equals_torch_flop_counter(shared):
+    """model.forward_flops (what the trainer logs as perf/update_gflop) against what the forward dispatches: torch's
+    FlopCounterMode for the matmuls (it does not count CPU attention), and for attention 4 * q.numel() * keys from
+    the shapes of every SDPA call seen. GQA, a tied head, left padding (SDPA computes the masked pairs too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class AttentionFlops(TorchDispatchMode):
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                q, k = args[0], args[1]
+                self.flops += 4 * q.numel() * k.shape[-2]
+            return func(*args, **(kwargs or {}))
+    m = our_model("llama", tied=True, heads=4, kv_heads=2, head_dim=16, layers=3)
+    B, P, R = 6, 9, 7
+    ids, attn = rand_ids(B, P + R), torch.ones(B, P + R, dtype=torch.long)
+    attn[:2, :3] = 0
+    rows = torch.tensor([0, 0, 0, 1, 1, 1])
+    m.flops = 0
+    with FlopCounterMode(display=False) as counter, AttentionFlops() as att, torch.no_grad():
+        if shared:
+            m(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:],
+              prefix=(ids[[0, 3], :P - 1], attn[[0, 3], :P - 1], rows))
+        else:
+            m(ids[:, :-1], attention_mask=attn[:, :-1], targets=ids[:, 1:])
+    assert att.flops > 0 and set(counter.get_flop_counts()["Global"]) == {torch.ops.aten.mm}
+    assert m.flops == counter.get_total_flops() + att.flops
