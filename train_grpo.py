@@ -537,8 +537,11 @@ def main(argv=None):
         with run.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)
                 gen.sleep(keep_weights=not rollout.sync_due(s, cfg))  # new weights follow: no need to keep the old
+            model.flops = 0
             m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
                                             roles.device, s)
+        perf["perf/update_gflop"] = 3 * model.flops / 1e9  # forwards + backwards (model.forward_flops)
+        perf["perf/update_gflops"] = perf["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         skipped_total += skipped
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
