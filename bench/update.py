@@ -40,7 +40,7 @@ import losses  # noqa: E402
 import model as model_lib  # noqa: E402
 import train_grpo  # noqa: E402
 from generator import Completion  # noqa: E402
-from vs_trl import G, SIZES, _timed, matmul_gflops, train_overrides  # noqa: E402
+from vs_trl import G, SIZES, matmul_gflops, train_overrides  # noqa: E402
 
 CHUNKED_LOGPROBS = model_lib.chunked_logprobs
 VARIANTS = ["fsdp_fp32", "plain_fp32", "fsdp_bf16", "adamw_loop", "autograd_logp", "chunk_256", "chunk_4096", "compile"]
@@ -111,14 +111,6 @@ def time_update(m, opt, sched, loss_fn, batch, adv, cfg, repeats, prof=None):
     return statistics.median(times[1:]), statistics.median(opt_s[1:repeats + 1]), times[0]
 
 
-def shape_gflops(m, k, n, dtype, repeats=5):
-    """GFLOP/s of an (m, k) @ (k, n) matmul, best of `repeats` after a warm-up."""
-    x, y = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    x @ y
-    best = min(_timed(lambda: x @ y) for _ in range(repeats))
-    return 2 * m * k * n / best / 1e9
-
-
 def top_ops(prof, n=15):
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
@@ -152,7 +144,7 @@ def main():
     c = model_lib.ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
     tokens = cfg.rollout.prompts_per_step * (batch["P"] - 1) + len(batch["ids"]) * R
     for dt in (torch.float32, torch.bfloat16):
-        roof[f"mlp_shape_{str(dt)[6:]}_gflops"] = shape_gflops(tokens, c.hidden_size, c.intermediate_size, dt)
+        roof[f"mlp_shape_{str(dt)[6:]}_gflops"] = matmul_gflops(dt, tokens, c.hidden_size, c.intermediate_size)
     print(f"batch {tuple(batch['ids'].shape)} (P={batch['P']}, R={R}, {tokens} tokens computed); GFLOP/s of a 2048^3 "
           f"matmul fp32 {roof['fp32_gflops']:.0f}, bf16 {roof['bf16_gflops']:.0f}; at the MLP's shape fp32 "
           f"{roof['mlp_shape_float32_gflops']:.0f}, bf16 {roof['mlp_shape_bfloat16_gflops']:.0f} "

@@ -177,13 +177,13 @@ def trl_worker(a):
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, torch_threads=torch.get_num_threads())))
 
 
-def matmul_gflops(dtype, n=2048, repeats=5):
-    """This CPU's limit, measured in the same run: best of `repeats` n^3 matmuls on torch's threads (2 n^3 FLOP)."""
+def matmul_gflops(dtype, m=2048, k=2048, n=2048, repeats=5):
+    """This CPU's limit, measured in the same run: best of `repeats` (m, k) @ (k, n) matmuls on torch's threads."""
     import torch
-    x, y = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    x, y = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
     x @ y  # warm-up: thread pool, oneDNN kernels
     best = min(_timed(lambda: x @ y) for _ in range(repeats))
-    return 2 * n ** 3 / best / 1e9
+    return 2 * m * k * n / best / 1e9
 
 
 def _timed(fn):
