@@ -159,6 +159,8 @@ class Log:
     wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
     wandb_project: str = "nanoforge"  # W&B project
     tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
+    drift: bool = False             # how far each update moved the policy (drift/*): one more no-grad forward a step,
+                                    # and a frozen copy of the start weights when there is no reference model
 
 
 @dataclass
@@ -418,6 +420,19 @@ def mismatch(train_logp, gen_logp, mask):
             "mismatch/kl": float(masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
 
 
+def drift(model, batch, logp, start_logp, cfg):
+    """How far this step's update moved the policy, on the batch's own response tokens (log.drift): KL(pi_old ||
+    pi_new) and the share of tokens whose ratio pi_new / pi_old left PPO's [0.8, 1.2] in this single step, and
+    KL(pi_old || pi_start) to the weights the run began from. The tokens are pi_old's samples, so k3 is unbiased."""
+    mask = batch["mask"]
+    keep = mask.bool()
+    new = no_grad_logp(model, batch, cfg.train.micro_batch, cfg.rollout.temperature).cpu()
+    old, new, start = (torch.where(keep, x.cpu(), 0.0) for x in (logp, new, start_logp))
+    return {"drift/kl_step": float(masked_mean(losses.kl_estimate(old, new, "k3"), mask)),
+            "drift/moved_frac": float(masked_mean(((new - old).exp() - 1).abs().gt(0.2).float(), mask)),
+            "drift/kl_start": float(masked_mean(losses.kl_estimate(old, start, "k3"), mask))}
+
+
 def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped_total, num_dropped, cfg, dp_group, dp):
     """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
     statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
@@ -481,8 +496,8 @@ def main(argv=None):
     model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
                              activation_checkpointing=cfg.dist.activation_checkpointing)
     loss_fn = losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
-    ref = None
-    if getattr(loss_fn, "beta", 0.0) > 0:
+    ref, kl_in_loss = None, getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
+    if kl_in_loss or cfg.log.drift:
         ref = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype)
         ref.requires_grad_(False)
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
@@ -538,8 +553,10 @@ def main(argv=None):
             if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)
                 gen.sleep(keep_weights=not rollout.sync_due(s, cfg))  # new weights follow: no need to keep the old
             model.flops = 0
-            m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg,
-                                            roles.device, s)
+            m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp if kl_in_loss else None,
+                                            old_logp, cfg, roles.device, s)
+        if cfg.log.drift:
+            m.update(drift(model, batch, train_logp, ref_logp, cfg))
         perf["perf/update_gflop"] = 3 * model.flops / 1e9  # forwards + backwards (model.forward_flops)
         perf["perf/update_gflops"] = perf["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         skipped_total += skipped

@@ -173,6 +173,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out_dir", default="out", help="outputs go to <out_dir>/demo/")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip_sft", action="store_true", help="GRPO from the SFT phase already in <out_dir>/demo/sft "
+                    "(SFT is deterministic: scripts/demo_seeds.py --sft_from reuses one this way)")
     args, extra = ap.parse_known_args(argv)
     sft_extra, grpo_extra = split_overrides(extra)
     out = Path(args.out_dir, "demo")
@@ -182,7 +184,13 @@ def main(argv=None):
     # 1. SFT from a random init (made on the spot; the tokenizer is trained deterministically)
     sft_cmd = [sys.executable, "train_sft.py", "configs/sft_tiny.py", *common, "--log.run=demo/sft",
                f"--model.path=tiny:{args.out_dir}/tiny/init", *SFT_ARGS, *sft_extra]
-    sft_s = run_phase("SFT", sft_cmd, out / "sft.log")
+    if args.skip_sft:
+        if not (out / "sft" / "phase.json").exists():
+            sys.exit(f"demo: --skip_sft, but {out}/sft holds no finished SFT phase (phase.json)")
+        sft_s = json.loads((out / "sft" / "phase.json").read_text())["seconds"]
+    else:
+        sft_s = run_phase("SFT", sft_cmd, out / "sft.log")
+        Path(out, "sft", "phase.json").write_text(json.dumps({"seconds": sft_s, "command": sft_cmd[1:]}) + "\n")
     # 2. GRPO from the SFT export, in one process: configs/tiny.py's CPU default (the torch generator colocated)
     grpo_cmd = [sys.executable, "train_grpo.py", "configs/tiny.py", *common, "--log.run=demo/grpo",
                 f"--model.path={out}/sft/hf", *GRPO_ARGS, *grpo_extra]

@@ -27,6 +27,7 @@ Outputs, under <out_dir>/<name>/: results.json (every cell), table.md, and each 
 """
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -43,18 +44,60 @@ PATHS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2
 MIN_GAIN, MAX_DIP, MIN_MEAN_GAIN = 0.10, 0.05, 0.15  # the bar (docstring)
 
 
-def run_cell(path, seed, cell_dir, extra, threads):
+def reuse_sft(src_cell, cell_dir):
+    """Copy a finished cell's SFT phase (SFT is deterministic for a (path, seed): the same bits again)."""
+    src = src_cell / "demo"
+    if not (src / "sft" / "hf" / "config.json").exists():
+        sys.exit(f"demo_seeds: --sft_from: {src}/sft has no finished SFT export")
+    shutil.copytree(src / "sft", cell_dir / "demo" / "sft")
+    phase = cell_dir / "demo" / "sft" / "phase.json"
+    if not phase.exists():  # a cell from before demo.py wrote phase.json: its wall time is in its summary
+        phase.write_text(json.dumps({"seconds": json.loads((src / "summary.json").read_text())["sft_seconds"]}))
+
+
+def run_cell(path, seed, cell_dir, extra, threads, sft_from=None):
     """One whole demo for (path, seed), its output in cell_dir/demo.log; returns (seconds, return code)."""
     env = {**os.environ, **PATHS[path]}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     shutil.rmtree(cell_dir, ignore_errors=True)  # an unfinished cell starts over
     cell_dir.mkdir(parents=True)
+    if sft_from:
+        reuse_sft(sft_from / cell_dir.name, cell_dir)
     t0 = time.perf_counter()
     with open(cell_dir / "demo.log", "w") as log:
-        rc = subprocess.run([sys.executable, "scripts/demo.py", f"--out_dir={cell_dir}", f"--seed={seed}", *extra],
+        rc = subprocess.run([sys.executable, "scripts/demo.py", f"--out_dir={cell_dir}", f"--seed={seed}", *extra,
+                             *(["--skip_sft"] if sft_from else [])],
                             cwd=demo.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     return time.perf_counter() - t0, rc
+
+
+def calibration(hf_dir, seed, n=8, bins=10):
+    """The SFT export as GRPO meets it, on GRPO's own 500 held-out problems: greedy accuracy; how well its confidence
+    in its greedy answer (the completion's probability) predicts being right (ECE over `bins` equal-width bins, and
+    mean confidence against accuracy); and at temperature 1 with n samples, the mean reward and the share of
+    problems whose n samples all agree (no GRPO signal)."""
+    import torch
+    sys.path.insert(0, str(demo.ROOT))
+    import data
+    import generator
+    import rewards
+    tok = data.Tokenizer(hf_dir)
+    problems = data.make_arith(500, seed=10_000 + seed, min_digits=2, max_digits=2)
+    prompts = [data.prompt_ids(tok, p["question"]) for p in problems]
+    gen = generator.TorchGenerator(str(hf_dir), max_model_len=96)
+    reward = rewards.MathReward(symbolic=False)
+    right = lambda c, p: reward(p["question"], c.text, str(p["target"])) >= 1  # noqa: E731
+    greedy = [g[0] for g in gen.generate(prompts, n=1, temperature=0.0, max_tokens=40, seed=0)]
+    ok = torch.tensor([float(right(c, p)) for c, p in zip(greedy, problems)])
+    conf = torch.tensor([math.exp(sum(c.logprobs)) for c in greedy])
+    which = (conf * bins).long().clamp(max=bins - 1)
+    ece = sum(float((which == b).sum() * (conf[which == b].mean() - ok[which == b].mean()).abs())
+              for b in range(bins) if (which == b).any()) / len(ok)
+    sampled = gen.generate(prompts, n=n, temperature=1.0, max_tokens=40, seed=1)
+    r = torch.tensor([[float(right(c, p)) for c in cs] for cs, p in zip(sampled, problems)])
+    return {"greedy_accuracy": float(ok.mean()), "confidence_mean": float(conf.mean()), "ece": ece,
+            "sampled_reward": float(r.mean()), "all_same_frac": float(((r.sum(1) == 0) | (r.sum(1) == n)).float().mean())}
 
 
 def summarize(path, seed, cell_dir, seconds, rc):
@@ -113,8 +156,16 @@ def main(argv=None):
     ap.add_argument("--seeds", default="0,1,2,3,4")
     ap.add_argument("--paths", default="native,avx2", help=f"comma-separated, of {list(PATHS)}")
     ap.add_argument("--jobs", type=int, default=2, help="cells at once; >1 gives each one thread")
+    ap.add_argument("--sft_from", help="another run's name under <out_dir>: reuse its cells' SFT phases (same --sft.* "
+                    "overrides), so a GRPO recipe is measured from the same starts in half the time")
     args, extra = ap.parse_known_args(argv)
-    demo.split_overrides(extra)  # --sft.* / --grpo.* only; fails on anything else
+    sft_extra, _ = demo.split_overrides(extra)  # --sft.* / --grpo.* only; fails on anything else
+    sft_from = Path(args.out_dir, args.sft_from) if args.sft_from else None
+    if sft_from:
+        theirs = {tuple(demo.split_overrides(c["overrides"])[0])
+                  for c in json.loads((sft_from / "results.json").read_text())["cells"]}
+        if theirs != {tuple(sft_extra)}:
+            sys.exit(f"demo_seeds: --sft_from={args.sft_from} ran SFT with {sorted(theirs)}, not {sft_extra}")
     paths = args.paths.split(",")
     if unknown := [p for p in paths if p not in PATHS]:
         sys.exit(f"demo_seeds: unknown path {unknown} (of {list(PATHS)})")
@@ -130,8 +181,9 @@ def main(argv=None):
     def one(job):
         p, s = job
         cell_dir = out / f"{p}_s{s}"
-        seconds, rc = run_cell(p, s, cell_dir, extra, 1 if args.jobs > 1 else 0)
-        return {**summarize(p, s, cell_dir, seconds, rc), "overrides": extra}
+        seconds, rc = run_cell(p, s, cell_dir, extra, 1 if args.jobs > 1 else 0, sft_from)
+        return {**summarize(p, s, cell_dir, seconds, rc), "overrides": extra,
+                **({"sft_from": args.sft_from} if sft_from else {})}
 
     with ThreadPoolExecutor(args.jobs) as pool:
         for cell in pool.map(one, todo):

@@ -133,6 +133,24 @@ def test_bf16_trains_logs_mismatch_and_tis_engages(tmp_path, start_ckpt):
         assert b["loss/tis_weight_mean"] < 1.0
 
 
+def test_drift_metrics_measure_without_changing_the_run(tmp_path, start_ckpt):
+    """log.drift: the same run with and without it agrees on every metric it shares (the extra forwards are no-grad
+    and the frozen start copy is outside the loss), KL to the start is exactly 0 before the first update and grows
+    after it, and one update at a large lr moves a measurable share of tokens past PPO's clip range."""
+    common = [f"--model.path={start_ckpt}", "--train.steps=2", "--dist.generator_ranks=0", "--rollout.backend=torch",
+              "--loss.entropy_coef=0.01", "--optim.lr=0.01", "--eval.every=0"]
+    rows = {}
+    for on in ("true", "false"):
+        run([*common, f"--log.drift={on}", f"--log.run=drift_{on}"], tmp_path, nproc=0)
+        rows[on] = [r for r in metrics(tmp_path / f"drift_{on}" / "metrics.jsonl") if "perf/step_s" in r]
+    for a, b in zip(rows["true"], rows["false"]):
+        assert {k: v for k, v in a.items() if not k.startswith(("perf/", "sync/", "drift/"))} == \
+               {k: v for k, v in b.items() if not k.startswith(("perf/", "sync/"))}
+    first, second = rows["true"]
+    assert first["drift/kl_start"] == 0.0 < second["drift/kl_start"]
+    assert 0 < first["drift/kl_step"] < math.inf and 0 < first["drift/moved_frac"] <= 1
+
+
 def test_bench_gpu_cpu_smoke():
     """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main, then the MFU,
     logprob-memory and generator probes) at toy sizes on CPU, so the script is known to run before a GPU sees it."""
