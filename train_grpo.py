@@ -31,6 +31,7 @@ Launch lines:
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
+import inspect
 import math
 import os
 import sys
@@ -234,10 +235,13 @@ def validate(cfg, world_size):
     rollout.reward_specs(cfg.rollout.rewards)  # every named reward imports
     if cfg.loss.name not in losses.LOSSES:
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
+    kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))
     try:
-        losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
+        losses.LOSSES[cfg.loss.name](**kw)
     except (TypeError, ValueError) as e:
-        raise err(f"loss.kwargs: {e}") from None
+        own = inspect.signature(losses.LOSSES[cfg.loss.name]).parameters
+        hint = "".join(config._closest(k, own) for k in kw if k not in own)
+        raise err(f"loss.kwargs: {e}{hint}") from None
     stale = cfg.rollout.max_staleness or cfg.train.ppo_epochs * cfg.train.minibatches > 1
     if cfg.loss.name == "simple_grpo" and stale:
         # a warning, not a refusal: the loss comparison measures exactly this case (scripts/compare.py)
@@ -266,8 +270,15 @@ def validate(cfg, world_size):
     run.check_model_path(cfg.model.path)
 
 
-def loss_kwargs(cfg):
-    kw = dict(cfg.loss.kwargs)
+def loss_kwargs(cfg, say=None):
+    """loss.kwargs for loss.name. A key this loss does not take but another loss does (a base config's GRPO `agg`
+    under --loss.name=simple_grpo) is dropped, and `say` is told which; a key no loss takes is left in, so the
+    loss's own error names it (validate() adds the closest key this loss does take)."""
+    takes = {name: set(inspect.signature(cls).parameters) for name, cls in losses.LOSSES.items()}
+    own = takes[cfg.loss.name]
+    kw = {k: v for k, v in cfg.loss.kwargs.items() if k in own or not any(k in t for t in takes.values())}
+    if say and (dropped := sorted(set(cfg.loss.kwargs) - set(kw))):
+        say(f"note: loss.kwargs {dropped} dropped: {losses.LOSSES[cfg.loss.name].__name__} does not take them")
     if cfg.loss.name == "dr_grpo":
         kw.setdefault("max_tokens", cfg.rollout.max_tokens)  # Dr.GRPO's constant C = generation budget
     return kw

@@ -125,6 +125,29 @@ def test_shipped_config_parses_and_validates_offline(path, monkeypatch):
         assert intended_world_size(path) == 8 and cfg.data.name == "gsm8k"  # built on configs/gsm8k.py
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "cispo", "gspo", "sapo", "simple_grpo", "reinforce"])
+def test_every_loss_runs_on_every_shipped_grpo_config(loss, monkeypatch, capsys):
+    """`--loss.name=<loss>` on any GRPO config validates: kwargs that only other losses take (tiny.py's GRPO `agg`)
+    are dropped with a one-line notice naming them; a key no loss takes is still an error with a did-you-mean."""
+    import losses
+    import train_grpo
+    monkeypatch.chdir(ROOT)
+    assert sorted(losses.LOSSES) == sorted(test_every_loss_runs_on_every_shipped_grpo_config.pytestmark[0].args[1])
+    for path in CONFIGS:
+        if path.name.startswith("sft_"):
+            continue
+        cfg = train_grpo.parse_config([str(path.relative_to(ROOT)), f"--loss.name={loss}"])
+        train_grpo.validate(cfg, intended_world_size(path))
+        kw = train_grpo.loss_kwargs(cfg)
+        assert set(kw) <= set(__import__("inspect").signature(losses.LOSSES[loss]).parameters), (path.name, kw)
+        dropped = set(cfg.loss.kwargs) - set(kw)
+        err = capsys.readouterr().err
+        assert (f"note: loss.kwargs {sorted(dropped)} dropped" in err) == bool(dropped), (path.name, err)
+    cfg = train_grpo.parse_config(["configs/tiny.py", f"--loss.name={loss}", '--loss.kwargs={"clip_lwo": 0.1}'])
+    with pytest.raises(config.ConfigError, match="clip_lwo"):
+        train_grpo.validate(cfg, 1)
+
+
 def test_every_loss_has_a_gsm8k_recipe():
     """configs/gsm8k_<loss>.py exists for each losses.LOSSES key, names its spec section, and selects that loss."""
     import losses
