@@ -18,7 +18,10 @@ aggregation and normalisation. No KL term anywhere (beta = 0).
 Held fixed: the start checkpoint (the demo's SFT export out/demo/sft/hf, made first if missing: held-out 0.386
 at seed 0), rollouts (32 prompts x 8 samples, temperature 1, 40 tokens), AdamW (0.9, 0.99), clip 1.0, one
 update per batch, greedy eval on 500 held-out problems at steps 0, 10, 20, 22. The seed changes the prompts,
-the sampling and the held-out set (so the start accuracy differs a little between seeds).
+the sampling and the held-out set (so the start accuracy differs a little between seeds). The lr is constant
+from the first step (FIXED), as the grid measured it, not configs/tiny.py's warm-up and decay: 22 steps would be
+mostly warm-up. `--grpo.optim.warmup_steps=20 --grpo.optim.schedule=cosine --grpo.rollout.overlong_cache=16`
+runs cells with the demo's schedule instead (docs/losses.md: the 50-step runs on both numeric paths).
 
 Why 22 steps and these lrs: 144 cells must fit 60 minutes on 2 cores, 25 s a cell. Measured in a first grid
 at 26 steps: a step costs 0.8-1.0 s (generation 0.31 s, update 0.44 s, more when the box is busy), an eval
@@ -69,6 +72,8 @@ KNOBS = {
     "sapo_tau5": ("sapo", ['--loss.kwargs={"tau_pos": 5.0, "tau_neg": 5.0}']),
 }
 DEFAULT = list(losses.LOSSES)
+# the grid's optimizer, whatever configs/tiny.py's recipe says (docstring); --grpo.* overrides come after these
+FIXED = ["--optim.warmup_steps=0", "--optim.schedule=constant", "--rollout.overlong_cache=0"]
 
 
 def start_checkpoint(out_dir):
@@ -88,7 +93,7 @@ def cell_args(cell, start, runs_dir, eval_every, shared):
     return ["configs/tiny.py", f"--model.path={start}", f"--log.out_dir={runs_dir}", f"--log.run={cell['id']}",
             f"--train.seed={cell['seed']}", f"--train.steps={cell['steps']}", f"--optim.lr={cell['lr']}",
             f"--rollout.max_staleness={cell['staleness']}", f"--eval.every={eval_every}", "--log.plot_every_s=-1",
-            f"--loss.name={loss}", *knobs, *shared]
+            f"--loss.name={loss}", *knobs, *FIXED, *shared]
 
 
 def run_cell(argv, log_path):
