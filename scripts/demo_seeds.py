@@ -100,6 +100,27 @@ def calibration(hf_dir, seed, n=8, bins=10):
             "sampled_reward": float(r.mean()), "all_same_frac": float(((r.sum(1) == 0) | (r.sum(1) == n)).float().mean())}
 
 
+def probe(path, cell_dir, steps):
+    """The cell's first `steps` GRPO steps again with log.drift on: the same trajectory (drift adds no-grad forwards
+    and a frozen start copy, nothing the update sees), now with each update's size. Needs the schedule's first
+    `steps` lrs not to depend on train.steps (constant, or inside the warm-up)."""
+    cfg = json.loads((cell_dir / "demo" / "grpo" / "config.json").read_text())
+    if cfg["optim"]["schedule"] != "constant" and cfg["optim"]["warmup_steps"] < steps:
+        sys.exit(f"demo_seeds: --analyze: {cell_dir}'s lr schedule depends on train.steps after its warm-up; "
+                 "rerun it with --grpo.log.drift=true instead")
+    cfg["train"]["steps"], cfg["eval"]["every"], cfg["eval"]["num_problems"] = steps, 0, 1  # its evals: not looked at
+    cfg["log"].update(run="probe", out_dir=str(cell_dir.resolve()), drift=True, plot_every_s=-1)
+    cfg["model"]["path"] = str((cell_dir / "demo" / "sft" / "hf").resolve())  # the demo ran from its own cwd
+    args = [f"--{sec}.{k}={v if isinstance(v, str) else repr(v)}"
+            for sec, fields in cfg.items() for k, v in fields.items()]
+    subprocess.run([sys.executable, "train_grpo.py", *args], cwd=demo.ROOT, env={**os.environ, **PATHS[path]},
+                   check=True, capture_output=True)
+    rows = [r for r in demo.read_metrics(cell_dir / "probe") if "perf/step_s" in r]
+    keys = ("drift/kl_step", "drift/moved_frac", "drift/kl_start", "train/grad_norm", "rollout/reward_mean",
+            "rollout/zero_std_frac", "loss/entropy")
+    return {k.split("/")[1]: [round(r[k], 5) for r in rows] for k in keys}
+
+
 def summarize(path, seed, cell_dir, seconds, rc):
     """The cell's figures from its demo's summary.json and both phases' metrics."""
     cell = {"path": path, "seed": seed, "seconds": round(seconds, 1), "rc": rc}
@@ -158,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=2, help="cells at once; >1 gives each one thread")
     ap.add_argument("--sft_from", help="another run's name under <out_dir>: reuse its cells' SFT phases (same --sft.* "
                     "overrides), so a GRPO recipe is measured from the same starts in half the time")
+    ap.add_argument("--analyze", type=int, default=0, metavar="N", help="for every finished cell: its SFT export's "
+                    "calibration, and the first N GRPO steps again with log.drift (how big each update was)")
     args, extra = ap.parse_known_args(argv)
     sft_extra, _ = demo.split_overrides(extra)  # --sft.* / --grpo.* only; fails on anything else
     sft_from = Path(args.out_dir, args.sft_from) if args.sft_from else None
@@ -196,6 +219,12 @@ def main(argv=None):
                   f"{cell['start_accuracy']:.3f} -> {cell['final_accuracy']:.3f} ({cell['gain']:+.3f}, "
                   f"dip {cell['worst_dip']:+.3f}) in {cell['seconds']:.0f} s"), flush=True)
     cells = [c for c in results["cells"] if tuple(c["overrides"]) == tuple(extra)]
+    for c in cells if args.analyze else ():
+        cell_dir = out / f"{c['path']}_s{c['seed']}"
+        c["sft_calibration"] = calibration(cell_dir / "demo" / "sft" / "hf", c["seed"])
+        c["probe"] = probe(c["path"], cell_dir, args.analyze)
+        print(c["path"], c["seed"], c["sft_calibration"], {k: v[:4] for k, v in c["probe"].items()}, flush=True)
+        res_path.write_text(json.dumps(results, indent=1) + "\n")
     print("\n" + table(cells))
     return cells
 

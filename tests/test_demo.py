@@ -10,8 +10,13 @@ an AVX-512 one, and a test that looked only at the training reward passed on bot
 
 What must hold on each path, measured on 500 held-out problems (greedy, GRPO's own evaluate()):
 - no eval falls more than MAX_DIP below GRPO's start (the collapse starts as a dip in the first tens of steps);
-- the final eval is at least MIN_GAIN above the start;
-- the training reward rises.
+- the final eval is at least MIN_GAIN above the start, and the training reward rises;
+- no single update moves the policy by more than MAX_STEP_KL nats per token (log.drift's KL(pi_old || pi_new) on
+  the batch), nor more than MAX_MOVED of the batch's tokens past PPO's [0.8, 1.2]. This is the collapse's cause
+  measured directly (docs/demo.md): this short run is easier than the demo and recovers where the demo does not,
+  so the outcome checks alone passed the old recipe (lr 3e-4 from step 1, no warm-up) on both paths (gains +0.13
+  and +0.16, no dip) while its updates measured KL 0.035 and 0.063 and 9-10% of tokens moved. The recipe as
+  shipped: 0.0021 and 0.0020, at most 2.5% moved; gains +0.38 (native, AVX-512) and +0.32 (AVX2), no dip.
 """
 import json
 import os
@@ -27,7 +32,7 @@ from demo_seeds import PATHS  # noqa: E402  (the two numeric paths, as the seed 
 
 pytestmark = pytest.mark.slow
 
-SFT_STEPS, GRPO_STEPS, MIN_GAIN, MAX_DIP = 150, 80, 0.05, 0.05
+SFT_STEPS, GRPO_STEPS, MIN_GAIN, MAX_DIP, MAX_STEP_KL, MAX_MOVED = 150, 80, 0.10, 0.05, 0.01, 0.05
 SHORT = [
     # SFT: single-digit problems only, a fixed step count (no accuracy stop), eval only at start and end
     "--sft.data.min_digits=1", "--sft.data.max_digits=1", "--sft.data.eval_min_digits=1",
@@ -36,7 +41,7 @@ SHORT = [
     # GRPO: the same single-digit task, a smaller batch, the held-out set at its full size every 20 steps
     "--grpo.data.min_digits=1", "--grpo.data.max_digits=1", f"--grpo.train.steps={GRPO_STEPS}",
     "--grpo.rollout.prompts_per_step=16",
-    "--grpo.eval.every=20", "--grpo.dist.timeout_s=120",
+    "--grpo.eval.every=20", "--grpo.log.drift=true", "--grpo.dist.timeout_s=120",
 ]
 
 
@@ -50,16 +55,20 @@ def check_learns(out):
     loss = [r["sft/loss"] for r in sft if "sft/loss" in r]
     assert len(loss) == SFT_STEPS and sum(loss[-10:]) < 0.3 * sum(loss[:10]), (loss[:10], loss[-10:])
     grpo = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
-    reward = [r["rollout/reward_mean"] for r in grpo if "perf/step_s" in r]
+    train = [r for r in grpo if "perf/step_s" in r]
+    reward = [r["rollout/reward_mean"] for r in train]
     evals = [a for _, a in summary["grpo_evals"]]
     first, last = sum(reward[:20]) / 20, sum(reward[-20:]) / 20
     figures = dict(evals=evals, reward_first20=first, reward_last20=last,
+                   max_step_kl=max(r["drift/kl_step"] for r in train),
+                   max_moved=max(r["drift/moved_frac"] for r in train),
                    capability=json.loads((out / "grpo" / "machine.json").read_text())["cpu_capability"])
     assert len(reward) == GRPO_STEPS and len(evals) == GRPO_STEPS // 20 + 1, figures
     assert first > 0.02, figures  # the start model answers some problems: there is signal to learn from
     assert min(evals) >= evals[0] - MAX_DIP, figures
     assert evals[-1] >= evals[0] + MIN_GAIN, figures
     assert last > first, figures
+    assert figures["max_step_kl"] <= MAX_STEP_KL and figures["max_moved"] <= MAX_MOVED, figures
     return figures
 
 
