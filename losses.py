@@ -69,7 +69,7 @@ def _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs, nee
     return keep.to(lp.dtype), lp, old, ref, adv
 
 
-def _token_mean(x, m):  # masked mean over all real tokens, for metrics
+def masked_mean(x, m):  # masked mean over all real tokens, for metrics
     return ((x * m).sum() / m.sum().clamp(min=1)).detach()
 
 
@@ -122,8 +122,8 @@ class ReinforceLoss(nn.Module):
         w = m / m.sum().clamp(min=1)  # token-mean
         loss = (w * pg).sum()
         clipped = (ratio < self.is_min) | (ratio > self.is_max)
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
-                      "loss/ratio_mean": _token_mean(ratio, m)}
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class GRPOLoss(nn.Module):
@@ -164,7 +164,7 @@ class GRPOLoss(nn.Module):
             w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])
         loss = (w * (pg + self.beta * kl)).sum()
         return loss, {"loss/pg": (w * pg).sum().detach(), "loss/kl": (w * kl).sum().detach(),
-                      "loss/clip_frac": _token_mean(clipped.to(m.dtype), m), "loss/ratio_mean": _token_mean(ratio, m)}
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m), "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class DrGRPOLoss(nn.Module):
@@ -189,8 +189,8 @@ class DrGRPOLoss(nn.Module):
         clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
         w = m / (m.shape[0] * self.max_tokens)  # constant normaliser: no length in the weight
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
-                      "loss/ratio_mean": _token_mean(ratio, m)}
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class DAPOLoss(nn.Module):
@@ -215,8 +215,8 @@ class DAPOLoss(nn.Module):
         clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
         w = m / m.sum().clamp(min=1)  # token-mean over the whole batch
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
-                      "loss/ratio_mean": _token_mean(ratio, m)}
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class CISPOLoss(nn.Module):
@@ -242,8 +242,8 @@ class CISPOLoss(nn.Module):
         clipped = (ratio > 1 + self.clip_high) | (ratio < (0.0 if low is None else low))
         w = m / m.sum().clamp(min=1)  # token-mean
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
-                      "loss/ratio_mean": _token_mean(ratio, m)}
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class GSPOLoss(nn.Module):
@@ -283,8 +283,8 @@ class GSPOLoss(nn.Module):
             w = m / (n[:, None] * m.shape[0])  # seq-mean-token-mean
             loss = (w * pg).sum()
             clipped = ((adv > 0) & (s_tok > hi)) | ((adv < 0) & (s_tok < lo))
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": _token_mean(clipped.to(m.dtype), m),
-                      "loss/ratio_mean": _token_mean(s[:, None], m)}
+        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": masked_mean(s[:, None], m)}
 
 
 class SAPOLoss(nn.Module):
@@ -310,8 +310,8 @@ class SAPOLoss(nn.Module):
         pg = -gate * (4 / tau) * adv
         w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])  # seq-mean-token-mean
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/ratio_mean": _token_mean(ratio, m),
-                      "loss/gate_grad_mean": _token_mean(4 * gate * (1 - gate), m)}  # 1 on-policy
+        return loss, {"loss/pg": loss.detach(), "loss/ratio_mean": masked_mean(ratio, m),
+                      "loss/gate_grad_mean": masked_mean(4 * gate * (1 - gate), m)}  # 1 on-policy
 
 
 LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "cispo": CISPOLoss, "gspo": GSPOLoss,

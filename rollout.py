@@ -1,6 +1,7 @@
-"""The rollout service of train_grpo.py: which prompts a step uses, generation shared across the ranks
-that hold a generator, collecting the completions to the trainers, rewards, held-out eval, and the loop
-a dedicated generator rank runs.
+"""The rollout service of train_grpo.py: the train and held-out problems (`load_tasks`), which prompts a step
+uses, generation shared across the ranks that hold a generator, collecting the completions to the trainers,
+rewards, held-out eval, the loop a dedicated generator rank runs, and a step's metrics row (`step_metrics`:
+rewards, lengths, staleness, the train/inference `mismatch`, averaged over the data-parallel ranks).
 
 A producer is a rank with a generator: each dedicated generator rank, or with `dist.generator_ranks = 0`
 every trainer rank (colocated). Producer i generates problems i::num_producers (`generate_share`);
@@ -53,6 +54,35 @@ import reward_guard
 import rewards
 import run
 import weight_sync
+
+
+def load_tasks(cfg, tok):
+    """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
+    too-long prompts dropped or truncated (data.long_prompts), counted."""
+    if cfg.data.name == "arith":
+        held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
+                                   min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
+        train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
+                                max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
+    else:
+        train = run.load_split(cfg.data, cfg.data.source, "train")
+        held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
+    num_long, L = 0, cfg.data.max_prompt_tokens
+    for split in (train, held_out):
+        keep = []
+        for p in split:
+            p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
+            num_long += len(p["prompt_ids"]) > L
+            if len(p["prompt_ids"]) > L and cfg.data.long_prompts == "truncate":
+                p["prompt_ids"] = p["prompt_ids"][-L:]
+            if len(p["prompt_ids"]) <= L:
+                keep.append(p)
+        split[:] = keep
+    for i, p in enumerate(train):
+        p["id"] = i
+    if not train:
+        raise RuntimeError(f"no training prompts left: all are longer than data.max_prompt_tokens={L}")
+    return train, held_out, num_long
 
 
 def build_generator(cfg, path, max_model_len, roles):
@@ -254,3 +284,29 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         if run.eval_due(s, cfg):
             evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
+
+
+def mismatch(train_logp, gen_logp, mask):
+    """Train/inference mismatch on the same tokens: mean |dlogp| and k3 KL(gen || train)."""
+    keep = mask.bool()  # padding may hold anything: zero it before exp
+    train_logp, gen_logp = torch.where(keep, train_logp, 0.0), torch.where(keep, gen_logp, 0.0)
+    return {"mismatch/abs_diff": float(losses.masked_mean((train_logp - gen_logp).abs(), mask)),
+            "mismatch/kl": float(losses.masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
+
+
+def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped_total, num_dropped, cfg, dp_group, dp):
+    """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
+    statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
+    row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
+           "rollout/accuracy": float((correct >= 1).float().mean()),  # the "math" reward, whatever else is summed
+           "rollout/response_len": float(lengths.mean()),
+           "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
+                                           / lengths.numel()),
+           "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
+           "rollout/staleness": float((step - batch["version"]).mean()),
+           "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
+           "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts": float(num_dropped)}
+    keys = sorted(row)
+    vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
+    tdist.all_reduce(vec, group=dp_group)
+    return {k: float(v) / dp for k, v in zip(keys, vec)}

@@ -1,10 +1,9 @@
 """A training run's bookkeeping, shared by train_sft.py and train_grpo.py.
 
 The trainers own the algorithm; this file owns what every run does around it, the same way for both:
-the command line (`--help`, `--print-config`), the checks that fail a bad config before anything heavy
-starts (model path, data source, a user's reward or loader named as "module:Name" / "file.py:Name",
-logging extras, resume), where the starting checkpoint comes from ("tiny:<dir>" is the only path that
-creates one), the optimizer and its learning-rate schedule, what a resume continues from (said out loud, so
+the command line (`--help`, `--print-config`), loading a user's reward or loader named as "module:Name" /
+"file.py:Name" (checks.py fails a bad config with it before anything heavy starts), where the starting
+checkpoint comes from ("tiny:<dir>" is the only path that creates one) and its cheap sanity check, the optimizer and its learning-rate schedule, what a resume continues from (said out loud, so
 a resume can never silently train zero steps) and restoring it, the periodic checkpoint, the run's outputs
 (`RunLog`: config.json, `metrics.jsonl` with one JSON row per step, cut back to the checkpoint on resume,
 the progress line, W&B, TensorBoard, plots), the end of a step (log, report a skipped step, abort after too
@@ -113,17 +112,6 @@ def check_checkpoint(path):
         raise config.ConfigError(f"model.path: missing tokenizer file {path / 'tokenizer.json'}")
 
 
-def check_model_path(path):
-    """Config check: "tiny:<dir>", a local checkpoint (config.json), or what looks like a hub name ("org/name" that
-    is not a local path; resolve_model downloads it and fails naming it)."""
-    if not path or path == "tiny:":
-        raise config.ConfigError("model.path is empty: give a checkpoint directory, a hub name or tiny:<dir>")
-    looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
-    if looks_local and not path.startswith("tiny:") and not Path(path, "config.json").exists():
-        raise config.ConfigError(f"model.path: no config.json in {path} (a checkpoint directory; `tiny:{path}` "
-                                 "would make a random tiny model there)")
-
-
 def load_object(spec, field):
     """A callable named in the config: "package.module:Name" (importable) or "path/to/file.py:Name" (imported by its
     file name, its directory put on sys.path, so a RewardPool worker can unpickle it). Else a ConfigError naming
@@ -147,25 +135,6 @@ def load_object(spec, field):
     if not callable(obj):
         raise config.ConfigError(f"{field}: {spec!r} is a {type(obj).__name__}, not a callable or class")
     return obj
-
-
-def _looks_local(source):
-    return source.startswith((".", "/", "~")) or Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv")
-
-
-def check_data(d):
-    """Config check of a `data` section: a dataset is "arith", "gsm8k" or a user's loader "module:function" /
-    "file.py:function" (it imports); a source that names a local file or directory exists (a hub name is not
-    checked: it is downloaded when loaded)."""
-    if d.name not in ("arith", "gsm8k") and ":" not in d.name:
-        raise config.ConfigError(f"data.name={d.name!r} must be arith, gsm8k, or a loader 'package.module:function' "
-                                 "/ 'path/to/file.py:function' returning {question, solution, target} records")
-    if ":" in d.name:
-        load_object(d.name, "data.name")
-    for field in ("source", "eval_source"):
-        source = getattr(d, field)
-        if d.name != "arith" and source and _looks_local(source) and not Path(source).exists():
-            raise config.ConfigError(f"data.{field}: no such file or directory: {source}")
 
 
 def load_split(d, source, split):
@@ -201,28 +170,6 @@ def make_optimizer(model, optim, horizon):
 def eval_due(step, cfg):
     """After step `step` (0-based): every `eval.every` steps, and always after the last one."""
     return step == cfg.train.steps - 1 or bool(cfg.eval.every and (step + 1) % cfg.eval.every == 0)
-
-
-def check_logging(log):
-    """Config check: W&B and TensorBoard are an optional extra, pinned in requirements-extra.txt."""
-    for flag in ("wandb", "tensorboard"):
-        if getattr(log, flag) and importlib.util.find_spec(flag) is None:
-            raise config.ConfigError(f"log.{flag}=True needs `pip install {flag}`: the optional extra, pinned in "
-                                     "requirements-extra.txt (`make extras`, or pip install -r requirements-extra.txt)")
-    netrc = Path("~/.netrc").expanduser()
-    logged_in = os.environ.get("WANDB_API_KEY") or netrc.exists() and "api.wandb.ai" in netrc.read_text()
-    if log.wandb and os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not logged_in:
-        # wandb.init would fail only after the model is loaded
-        raise config.ConfigError("log.wandb=True: no W&B API key (run `wandb login` or set WANDB_API_KEY), "
-                                 "or set WANDB_MODE=offline to log to files only")
-
-
-def check_resume(resume):
-    """Config check: "", "auto", or a complete step_<N> checkpoint directory."""
-    if resume not in ("", "auto") and not (Path(resume).name.removeprefix("step_").isdigit()
-                                           and checkpoint.is_complete(resume)):
-        raise config.ConfigError(f"ckpt.resume={resume!r} is not a complete checkpoint (a step_<N> directory with "
-                                 "a COMPLETE marker); use 'auto' for the newest complete one")
 
 
 def find_resume(resume, ckpt_dir, steps, rank):

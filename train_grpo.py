@@ -31,7 +31,6 @@ Launch lines:
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
-import inspect
 import math
 import os
 import sys
@@ -42,10 +41,9 @@ from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (notes/vllm-cpu.md)
 import torch
-import torch.distributed as tdist
 
 import checkpoint
-import config
+import checks
 import data
 import dist
 import generator
@@ -176,146 +174,9 @@ def parse_config(argv):
     return SimpleNamespace(**run.parse_cli(sections, argv))  # cfg.loss.beta, not cfg["loss"].beta
 
 
-def validate(cfg, world_size):
-    """Cross-field checks, before anything heavy is loaded."""
-    err = config.ConfigError
-    c = cfg
-    for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
-            ("model.dtype", c.model.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
-            ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits, ">= 1 and <= data.max_digits"),
-            ("data.max_prompt_tokens", c.data.max_prompt_tokens >= 1, ">= 1"),
-            ("data.long_prompts", c.data.long_prompts in ("drop", "truncate"), "drop or truncate"),
-            ("data.max_bad_fraction", 0 <= c.data.max_bad_fraction <= 1, "in [0, 1]"),
-            ("rollout.prompts_per_step", c.rollout.prompts_per_step >= 1, ">= 1"),
-            ("rollout.group_size", c.rollout.group_size >= 1, ">= 1"),
-            ("rollout.temperature", c.rollout.temperature > 0, "> 0"),
-            ("rollout.top_p", 0 < c.rollout.top_p <= 1, "in (0, 1]"),
-            ("rollout.top_k", c.rollout.top_k == -1 or c.rollout.top_k >= 1, "-1 (off) or >= 1"),
-            ("rollout.max_tokens", c.rollout.max_tokens >= 1, ">= 1"),
-            ("rollout.backend", c.rollout.backend in ("vllm", "torch", "auto"), "vllm, torch or auto"),
-            ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 1, ">= 1"),
-            ("rollout.gpu_memory_utilization", 0 < c.rollout.gpu_memory_utilization <= 1, "in (0, 1]"),
-            ("rollout.max_staleness", c.rollout.max_staleness >= 0, ">= 0"),
-            ("rollout.refill_rounds", c.rollout.refill_rounds >= 0, ">= 0"),
-            ("rollout.overlong_cache", 0 <= c.rollout.overlong_cache < c.rollout.max_tokens,
-             ">= 0 and < rollout.max_tokens"),
-            ("rollout.reward_timeout_s", c.rollout.reward_timeout_s > 0, "> 0"),
-            ("rollout.reward_workers", c.rollout.reward_workers >= 0, ">= 0"),
-            ("loss.adv_eps", c.loss.adv_eps > 0, "> 0"),
-            ("loss.tis_cap", c.loss.tis_cap >= 0, ">= 0 (0 = off)"),
-            ("loss.entropy_coef", c.loss.entropy_coef >= 0, ">= 0"),
-            ("optim.lr", c.optim.lr > 0, "> 0"),
-            ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "two values in [0, 1)"),
-            ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
-            ("optim.warmup_steps", c.optim.warmup_steps >= 0, ">= 0"),
-            ("optim.schedule", c.optim.schedule in ("constant", "cosine"), "constant or cosine"),
-            ("optim.min_lr_ratio", 0 <= c.optim.min_lr_ratio <= 1, "in [0, 1]"),
-            ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
-            ("train.steps", c.train.steps >= 1, ">= 1"),
-            ("train.ppo_epochs", c.train.ppo_epochs >= 1, ">= 1"),
-            ("train.minibatches", c.train.minibatches >= 1, ">= 1"),
-            ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
-            ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
-            ("dist.tp", c.dist.tp >= 1, ">= 1"),
-            ("dist.sync_interval", c.dist.sync_interval >= 1, ">= 1"),
-            ("dist.sync_bucket_mb", c.dist.sync_bucket_mb >= 1, ">= 1"),
-            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"),
-            ("eval.every", c.eval.every >= 0, ">= 0 (0 = only at start and end)"),
-            ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
-            ("eval.pass_k", c.eval.pass_k >= 0, ">= 0 (0 = off)"),
-            ("log.run", bool(c.log.run), "a non-empty name"),
-            ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1, ">= 0 (0: every step), -1 never"),
-            ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)")]:
-        if not ok:
-            section, key = name.split(".")
-            raise err(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
-    run.check_resume(cfg.ckpt.resume)
-    run.check_data(cfg.data)
-    run.check_logging(cfg.log)
-    rollout.reward_specs(cfg.rollout.rewards)  # every named reward imports
-    if cfg.loss.name not in losses.LOSSES:
-        raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
-    kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))
-    try:
-        losses.LOSSES[cfg.loss.name](**kw)
-    except (TypeError, ValueError) as e:
-        own = inspect.signature(losses.LOSSES[cfg.loss.name]).parameters
-        hint = "".join(config._closest(k, own) for k in kw if k not in own)
-        raise err(f"loss.kwargs: {e}{hint}") from None
-    stale = cfg.rollout.max_staleness or cfg.train.ppo_epochs * cfg.train.minibatches > 1
-    if cfg.loss.name == "simple_grpo" and stale:
-        # a warning, not a refusal: the loss comparison measures exactly this case (scripts/compare.py)
-        print("warning: loss.name='simple_grpo' ignores old logprobs (its ratio is always 1), so with "
-              f"rollout.max_staleness={cfg.rollout.max_staleness}, train.ppo_epochs={cfg.train.ppo_epochs}, "
-              f"train.minibatches={cfg.train.minibatches} nothing corrects for the stale policy; use 'grpo' "
-              "for off-policy or multi-update training", file=sys.stderr)
-    if cfg.loss.adv not in ("grpo", "drgrpo", "rloo", "reinforce_pp"):
-        raise err(f"loss.adv: {cfg.loss.adv!r} is not one of grpo, drgrpo, rloo, reinforce_pp")
-    if cfg.loss.adv != "reinforce_pp" and cfg.rollout.group_size < 2:
-        raise err(f"rollout.group_size={cfg.rollout.group_size}: group advantages need at least 2 samples")
-    if not 0 <= cfg.dist.generator_ranks < world_size:
-        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size {world_size}"
-                  " (at least one trainer rank)")
-    try:  # a GPU per rank: a trainer and a vLLM engine never share one (device_count asks NVML: CUDA stays untouched)
-        dist.check_gpu_layout(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
-    except ValueError as e:
-        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks}, world size {world_size}: {e}") from None
-    num_trainers = world_size - cfg.dist.generator_ranks
-    if num_trainers % cfg.dist.tp:
-        raise err(f"dist.tp={cfg.dist.tp} does not divide the {num_trainers} trainer ranks")
-    dp = num_trainers // cfg.dist.tp
-    if cfg.rollout.prompts_per_step % dp:
-        raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
-                  f"data-parallel size {dp}")
-    run.check_model_path(cfg.model.path)
-
-
-def loss_kwargs(cfg, say=None):
-    """loss.kwargs for loss.name. A key this loss does not take but another loss does (a base config's GRPO `agg`
-    under --loss.name=simple_grpo) is dropped, and `say` is told which; a key no loss takes is left in, so the
-    loss's own error names it (validate() adds the closest key this loss does take)."""
-    takes = {name: set(inspect.signature(cls).parameters) for name, cls in losses.LOSSES.items()}
-    own = takes[cfg.loss.name]
-    kw = {k: v for k, v in cfg.loss.kwargs.items() if k in own or not any(k in t for t in takes.values())}
-    if say and (dropped := sorted(set(cfg.loss.kwargs) - set(kw))):
-        say(f"note: loss.kwargs {dropped} dropped: {losses.LOSSES[cfg.loss.name].__name__} does not take them")
-    if cfg.loss.name == "dr_grpo":
-        kw.setdefault("max_tokens", cfg.rollout.max_tokens)  # Dr.GRPO's constant C = generation budget
-    return kw
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Data, advantages, the update (prompts, generation, rewards and eval: rollout.py)
 # ---------------------------------------------------------------------------------------------
-def load_tasks(cfg, tok):
-    """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
-    too-long prompts dropped or truncated (data.long_prompts), counted."""
-    if cfg.data.name == "arith":
-        held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
-                                   min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
-        train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
-                                max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
-    else:
-        train = run.load_split(cfg.data, cfg.data.source, "train")
-        held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
-    num_long, L = 0, cfg.data.max_prompt_tokens
-    for split in (train, held_out):
-        keep = []
-        for p in split:
-            p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
-            num_long += len(p["prompt_ids"]) > L
-            if len(p["prompt_ids"]) > L and cfg.data.long_prompts == "truncate":
-                p["prompt_ids"] = p["prompt_ids"][-L:]
-            if len(p["prompt_ids"]) <= L:
-                keep.append(p)
-        split[:] = keep
-    for i, p in enumerate(train):
-        p["id"] = i
-    if not train:
-        raise RuntimeError(f"no training prompts left: all are longer than data.max_prompt_tokens={L}")
-    return train, held_out, num_long
-
-
 def advantages(r, cfg, lengths):
     """(B, G) rewards -> (B, G) advantages; DAPO overlong shaping is added to the reward first."""
     if cfg.rollout.overlong_cache:
@@ -365,13 +226,9 @@ def no_grad_logp(model, batch, micro, temperature):
                           for i in range(0, len(batch["ids"]), micro)])
 
 
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
     """ppo_epochs x minibatches optimizer steps on this rank's batch; returns summed metrics."""
-    n = len(batch["ids"])
+    n, model.flops = len(batch["ids"]), 0  # model.forward_flops, summed over this update's forwards
     mb_size = math.ceil(n / cfg.train.minibatches)
     sums, num_opt, skipped, first_logp = {}, 0, 0, torch.zeros_like(batch["gen_logp"])
     # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
@@ -397,10 +254,10 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                                   old_logprobs=None if old_logp is None else old_logp[rows].to(device))
                 if poison:
                     loss = loss * float("nan")
-                m["loss/entropy"] = masked_mean(ent.detach(), mask)
+                m["loss/entropy"] = losses.masked_mean(ent.detach(), mask)
                 if tis is not None:  # how often the cap engages, and the mean weight it leaves
-                    m["loss/tis_capped_frac"] = masked_mean((tis >= cfg.loss.tis_cap * (1 - 1e-6)).float(), mask)
-                    m["loss/tis_weight_mean"] = masked_mean(tis, mask)
+                    m["loss/tis_capped_frac"] = losses.masked_mean((tis >= cfg.loss.tis_cap * (1 - 1e-6)).float(), mask)
+                    m["loss/tis_weight_mean"] = losses.masked_mean(tis, mask)
                 if cfg.loss.entropy_coef:
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
                 (loss * len(rows) / len(mb_rows)).backward()
@@ -420,15 +277,8 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
     sched.step()
     sums = {k: float(v) / cfg.train.ppo_epochs for k, v in sums.items()}
     sums["train/grad_norm"] *= cfg.train.ppo_epochs / num_opt
+    sums["perf/update_gflop"] = 3 * model.flops / 1e9  # forwards + backwards
     return sums, skipped, first_logp
-
-
-def mismatch(train_logp, gen_logp, mask):
-    """Train/inference mismatch on the same tokens: mean |dlogp| and k3 KL(gen || train)."""
-    keep = mask.bool()  # padding may hold anything: zero it before exp
-    train_logp, gen_logp = torch.where(keep, train_logp, 0.0), torch.where(keep, gen_logp, 0.0)
-    return {"mismatch/abs_diff": float(masked_mean((train_logp - gen_logp).abs(), mask)),
-            "mismatch/kl": float(masked_mean(losses.kl_estimate(gen_logp, train_logp, "k3"), mask))}
 
 
 def drift(model, batch, logp, start_logp, cfg):
@@ -439,27 +289,9 @@ def drift(model, batch, logp, start_logp, cfg):
     keep = mask.bool()
     new = no_grad_logp(model, batch, cfg.train.micro_batch, cfg.rollout.temperature).cpu()
     old, new, start = (torch.where(keep, x.cpu(), 0.0) for x in (logp, new, start_logp))
-    return {"drift/kl_step": float(masked_mean(losses.kl_estimate(old, new, "k3"), mask)),
-            "drift/moved_frac": float(masked_mean(((new - old).exp() - 1).abs().gt(0.2).float(), mask)),
-            "drift/kl_start": float(masked_mean(losses.kl_estimate(old, start, "k3"), mask))}
-
-
-def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped_total, num_dropped, cfg, dp_group, dp):
-    """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
-    statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
-    row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
-           "rollout/accuracy": float((correct >= 1).float().mean()),  # the "math" reward, whatever else is summed
-           "rollout/response_len": float(lengths.mean()),
-           "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
-                                           / lengths.numel()),
-           "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
-           "rollout/staleness": float((step - batch["version"]).mean()),
-           "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
-           "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts": float(num_dropped)}
-    keys = sorted(row)
-    vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
-    tdist.all_reduce(vec, group=dp_group)
-    return {k: float(v) / dp for k, v in zip(keys, vec)}
+    return {"drift/kl_step": float(losses.masked_mean(losses.kl_estimate(old, new, "k3"), mask)),
+            "drift/moved_frac": float(losses.masked_mean(((new - old).exp() - 1).abs().gt(0.2).float(), mask)),
+            "drift/kl_start": float(losses.masked_mean(losses.kl_estimate(old, start, "k3"), mask))}
 
 
 SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl", "rollout/response_len",
@@ -471,7 +303,7 @@ def main(argv=None):
     # ---- 1. config: parsed and validated before anything heavy happens ----------------------------
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    checks.grpo(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     backend = generator.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
@@ -492,7 +324,7 @@ def main(argv=None):
     dist.init_distributed(roles, cfg.dist.timeout_s)
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = weight_sync.sync_group(roles)
-    train, held_out, num_dropped = load_tasks(cfg, tok)
+    train, held_out, num_dropped = rollout.load_tasks(cfg, tok)
     reward_fns, weights = rollout.make_rewards(cfg)
     pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
         if cfg.rollout.reward_workers and roles.is_trainer else None
@@ -506,7 +338,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
                              activation_checkpointing=cfg.dist.activation_checkpointing)
-    loss_fn = losses.LOSSES[cfg.loss.name](**loss_kwargs(cfg))
+    loss_fn = losses.LOSSES[cfg.loss.name](**checks.loss_kwargs(cfg))
     ref, kl_in_loss = None, getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
     if kl_in_loss or cfg.log.drift:
         ref = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype)
@@ -563,13 +395,10 @@ def main(argv=None):
         with run.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)
                 gen.sleep(keep_weights=not rollout.sync_due(s, cfg))  # new weights follow: no need to keep the old
-            model.flops = 0
             m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp if kl_in_loss else None,
                                             old_logp, cfg, roles.device, s)
-        if cfg.log.drift:
-            m.update(drift(model, batch, train_logp, ref_logp, cfg))
-        perf["perf/update_gflop"] = 3 * model.flops / 1e9  # forwards + backwards (model.forward_flops)
-        perf["perf/update_gflops"] = perf["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
+        perf["perf/update_gflops"] = m["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
+        m.update(drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
         skipped_total += skipped
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
@@ -580,7 +409,7 @@ def main(argv=None):
             if roles.colocated and gen is not None:
                 gen.wake_up()  # whatever still sleeps; after a sync nothing does (update_weights' wake order: generator.py)
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
-        row = step_metrics({**m, **rstats, **mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync, **perf},
+        row = rollout.step_metrics({**m, **rstats, **rollout.mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync, **perf},
                            r, correct, lengths, groups, batch, s, sched, skipped_total, num_dropped, cfg,
                            mesh["dp_shard"].get_group(), dp)
         if run.eval_due(s, cfg):

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as tdist
 
 import checkpoint
-import config
+import checks
 import data
 import dist
 import generator
@@ -139,39 +139,6 @@ def parse_config(argv):
     return SimpleNamespace(**run.parse_cli(sections, argv))  # cfg.optim.lr, not cfg["optim"].lr
 
 
-def validate(cfg, world_size):
-    """Cross-field checks, before anything heavy is loaded."""
-    c = cfg
-    if world_size % c.dist.tp:
-        raise config.ConfigError(f"dist.tp={c.dist.tp} does not divide the world size {world_size}")
-    if c.train.batch_size % (world_size // c.dist.tp):
-        raise config.ConfigError(f"train.batch_size={c.train.batch_size} is not divisible by the data-parallel "
-                                 f"size {world_size // c.dist.tp}")
-    for name, ok, need in [  # (field, valid?, what it must be): every message names its field and value
-            ("data.max_seq_tokens", c.data.max_seq_tokens >= 1, ">= 1"),
-            ("data.pack_len", c.data.pack_len == 0 or c.data.pack_len >= c.data.max_seq_tokens,
-             f"0 or >= data.max_seq_tokens={c.data.max_seq_tokens}"),
-            ("data.max_bad_fraction", 0 <= c.data.max_bad_fraction <= 1, "in [0, 1]"),
-            ("optim.lr", c.optim.lr > 0, "> 0"), ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
-            ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
-            ("optim.warmup_steps", c.optim.warmup_steps >= 0, ">= 0"),
-            ("optim.schedule", c.optim.schedule in ("constant", "cosine"), "constant or cosine"),
-            ("train.steps", c.train.steps >= 1, ">= 1"), ("train.batch_size", c.train.batch_size >= 1, ">= 1"),
-            ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
-            ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
-            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"),
-            ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"), ("eval.max_tokens", c.eval.max_tokens >= 1, ">= 1"),
-            ("eval.stop_at_accuracy", 0 <= c.eval.stop_at_accuracy <= 1, "in [0, 1] (0 = off)"),
-            ("ckpt.every", c.ckpt.every >= 0, ">= 0")]:
-        if not ok:
-            section, key = name.split(".")
-            raise config.ConfigError(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
-    run.check_resume(cfg.ckpt.resume)
-    run.check_data(cfg.data)
-    run.check_logging(cfg.log)
-    run.check_model_path(cfg.model.path)
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Models, data, packing
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +207,7 @@ def main(argv=None):
     # ---- 1. config: parsed and validated before anything heavy happens ----------------------------
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
-    validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    checks.sft(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     roles = dist.get_roles(0)  # SFT has no generator ranks: every rank trains

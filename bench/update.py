@@ -38,6 +38,8 @@ import data  # noqa: E402
 import dist  # noqa: E402
 import losses  # noqa: E402
 import model as model_lib  # noqa: E402
+import checks  # noqa: E402
+import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from generator import Completion  # noqa: E402
 from vs_trl import G, SIZES, matmul_gflops, train_overrides  # noqa: E402
@@ -48,7 +50,7 @@ VARIANTS = ["fsdp_fp32", "plain_fp32", "fsdp_bf16", "adamw_loop", "autograd_logp
 
 def make_step_batch(cfg, tok, R):
     """One step's batch as train_grpo builds it: the step's prompts, G responses of R tokens each."""
-    train, _, _ = train_grpo.load_tasks(cfg, tok)
+    train, _, _ = rollout.load_tasks(cfg, tok)
     problems = data.step_batch(train, 0, cfg.rollout.prompts_per_step, cfg.train.seed)
     gen = torch.Generator().manual_seed(0)
     groups = [[Completion(p["prompt_ids"], torch.randint(3, 49_000, (R,), generator=gen).tolist(), "", [0.0] * R,
@@ -133,7 +135,7 @@ def main():
     R = a.response or cfg.rollout.max_tokens
     tok = data.Tokenizer(path)
     batch, adv = make_step_batch(cfg, tok, R)
-    loss_fn = losses.LOSSES["grpo"](**train_grpo.loss_kwargs(cfg))
+    loss_fn = losses.LOSSES["grpo"](**checks.loss_kwargs(cfg))
     os.environ.setdefault("WORLD_SIZE", "1")
     roles = dist.get_roles(0)
     dist.init_distributed(roles)

@@ -119,10 +119,11 @@ def trl_worker(a):
     from trl import GRPOConfig, GRPOTrainer
     import data
     import rewards
+    import rollout
     import train_grpo
     cfg = train_grpo.parse_config([SIZES[a.size]["config"], *train_overrides(a.size, a.workload, a.ckpt)])
     B, beta = cfg.rollout.prompts_per_step, cfg.loss.kwargs["beta"]
-    train, _, _ = train_grpo.load_tasks(cfg, data.Tokenizer(a.ckpt))
+    train, _, _ = rollout.load_tasks(cfg, data.Tokenizer(a.ckpt))
     problems = [p for s in range(a.steps) for p in data.step_batch(train, s, B, cfg.train.seed)]
     # the same text data.prompt_ids renders: question + instruction as the one user turn
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p["question"] + cfg.data.instruction}],

@@ -7,7 +7,7 @@ import sys
 exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm8k.py")).read())  # the 8-GPU base
 loss.name = "dr_grpo"
 loss.kwargs = {"clip_low": 0.2, "clip_high": 0.2}   # PPO clip 0.2 (paper Table 6); no KL ("beta = 0 throughout")
-# The constant normaliser C is rollout.max_tokens (train_grpo.loss_kwargs passes it): loss = sum m*l / (B*C),
+# The constant normaliser C is rollout.max_tokens (checks.loss_kwargs passes it): loss = sum m*l / (B*C),
 # the authors' oat code and TRL "dr_grpo" (the paper used C = 3000 with a 3000-token budget).
 loss.adv = "drgrpo"                                 # A = R - mean_g R: no division by the group std
 log.run = "gsm8k_dr_grpo"

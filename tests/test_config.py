@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import config
+import checks
 from conftest import ROOT
 
 
@@ -120,7 +121,7 @@ def test_shipped_config_parses_and_validates_offline(path, monkeypatch):
     monkeypatch.chdir(ROOT)  # configs and launch lines use paths relative to the repo root
     trainer = train_sft if path.name.startswith("sft_") else train_grpo
     cfg = trainer.parse_config([str(path.relative_to(ROOT))])
-    trainer.validate(cfg, intended_world_size(path))
+    (checks.sft if trainer is train_sft else checks.grpo)(cfg, intended_world_size(path))
     if trainer is train_grpo and path.name.startswith("gsm8k_") and path.name != "gsm8k_1gpu.py":
         assert intended_world_size(path) == 8 and cfg.data.name == "gsm8k"  # built on configs/gsm8k.py
 
@@ -137,15 +138,15 @@ def test_every_loss_runs_on_every_shipped_grpo_config(loss, monkeypatch, capsys)
         if path.name.startswith("sft_"):
             continue
         cfg = train_grpo.parse_config([str(path.relative_to(ROOT)), f"--loss.name={loss}"])
-        train_grpo.validate(cfg, intended_world_size(path))
-        kw = train_grpo.loss_kwargs(cfg)
+        checks.grpo(cfg, intended_world_size(path))
+        kw = checks.loss_kwargs(cfg)
         assert set(kw) <= set(__import__("inspect").signature(losses.LOSSES[loss]).parameters), (path.name, kw)
         dropped = set(cfg.loss.kwargs) - set(kw)
         err = capsys.readouterr().err
         assert (f"note: loss.kwargs {sorted(dropped)} dropped" in err) == bool(dropped), (path.name, err)
     cfg = train_grpo.parse_config(["configs/tiny.py", f"--loss.name={loss}", '--loss.kwargs={"clip_lwo": 0.1}'])
     with pytest.raises(config.ConfigError, match="clip_lwo"):
-        train_grpo.validate(cfg, 1)
+        checks.grpo(cfg, 1)
 
 
 def test_every_loss_has_a_gsm8k_recipe():
@@ -167,7 +168,7 @@ def test_a_wrong_world_size_fails_validation():
     import train_grpo
     cfg = train_grpo.parse_config([str(ROOT / "configs" / "gsm8k_dapo.py")])
     with pytest.raises(config.ConfigError):
-        train_grpo.validate(cfg, 2)
+        checks.grpo(cfg, 2)
 
 
 def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
@@ -176,9 +177,9 @@ def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
     import train_grpo
     base = [str(ROOT / "configs" / "tiny.py"), f"--model.path={tiny_ckpt}", "--loss.name=simple_grpo",
             "--loss.kwargs={}"]
-    train_grpo.validate(train_grpo.parse_config(base), 1)
+    checks.grpo(train_grpo.parse_config(base), 1)
     assert "simple_grpo" not in capsys.readouterr().err
     for extra in ("--rollout.max_staleness=1", "--train.ppo_epochs=2", "--train.minibatches=2"):
-        train_grpo.validate(train_grpo.parse_config([*base, extra]), 1)
+        checks.grpo(train_grpo.parse_config([*base, extra]), 1)
         err = capsys.readouterr().err
         assert "warning: loss.name='simple_grpo' ignores old logprobs" in err and extra[2:].split("=")[0] in err

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import checks
 import model as M
 
 WORKER = Path(__file__).resolve().parent / "_dist_worker.py"
@@ -182,7 +183,7 @@ def test_validate_rejects_more_ranks_than_gpus_mock_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     with pytest.raises(config.ConfigError, match="dist.generator_ranks=2, world size 8: 8 ranks per node but 4 "
                                                  "visible GPU"):
-        train_grpo.validate(cfg, 8)
+        checks.grpo(cfg, 8)
 
 
 def test_engine_ranks_env_before_vllm_import_cpu_shows_env_not_cuda_placement(tmp_path):

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import pytest
 
+import checks
 from conftest import ROOT, GSM8K_DIR
 import checkpoint
 import config
 import data
+import rollout
 import train_grpo
 import train_sft
 
@@ -233,7 +235,7 @@ def test_dead_rank_is_detected_promptly_and_named(grpo):
 def test_grpo_config_errors_name_the_field(override, message, tiny_ckpt):
     with pytest.raises(config.ConfigError) as e:
         cfg = train_grpo.parse_config([str(ROOT / "configs/tiny.py"), f"--model.path={tiny_ckpt}", override])
-        train_grpo.validate(cfg, 2)
+        checks.grpo(cfg, 2)
     assert message in str(e.value)
 
 
@@ -241,9 +243,9 @@ def test_sft_config_errors_name_the_field(tiny_ckpt, tmp_path):
     cfg = train_sft.parse_config([str(ROOT / "configs/sft_tiny.py"), f"--ckpt.resume={tmp_path}/step_2"])
     (tmp_path / "step_2").mkdir()  # exists, but no COMPLETE marker: a partial checkpoint
     with pytest.raises(config.ConfigError, match="is not a complete checkpoint"):
-        train_sft.validate(cfg, 1)
+        checks.sft(cfg, 1)
     with pytest.raises(config.ConfigError, match=r"train.max_skipped_steps=0 must be >= 1"):
-        train_sft.validate(train_sft.parse_config([str(ROOT / "configs/sft_tiny.py"), "--train.max_skipped_steps=0"]), 1)
+        checks.sft(train_sft.parse_config([str(ROOT / "configs/sft_tiny.py"), "--train.max_skipped_steps=0"]), 1)
 
 
 def test_grpo_data_malformed_rows_and_long_prompts(tiny_ckpt, tmp_path, capsys):
@@ -256,17 +258,17 @@ def test_grpo_data_malformed_rows_and_long_prompts(tiny_ckpt, tmp_path, capsys):
             f"--data.eval_source={tmp_path / 'train.jsonl'}", "--eval.num_problems=5", "--data.max_bad_fraction=0.1"]
     lens = [len(data.prompt_ids(tok, r["question"])) for r in good]
     limit = sorted(lens)[len(lens) // 2]  # about half the prompts are longer
-    train, _, num_long = train_grpo.load_tasks(train_grpo.parse_config([*base, f"--data.max_prompt_tokens={limit}"]), tok)
+    train, _, num_long = rollout.load_tasks(train_grpo.parse_config([*base, f"--data.max_prompt_tokens={limit}"]), tok)
     assert "skipped 4/44 malformed rows" in capsys.readouterr().err
     assert num_long == sum(n > limit for n in lens) + sum(n > limit for n in lens[:5])  # train + held-out, counted
     assert len(train) == sum(n <= limit for n in lens) and [p["id"] for p in train] == list(range(len(train)))
     cfg = train_grpo.parse_config([*base, f"--data.max_prompt_tokens={limit}", "--data.long_prompts=truncate"])
-    train, _, _ = train_grpo.load_tasks(cfg, tok)
+    train, _, _ = rollout.load_tasks(cfg, tok)
     assert len(train) == len(good) and max(len(p["prompt_ids"]) for p in train) == limit
     long = next(p for p in train if len(data.prompt_ids(tok, p["question"])) > limit)
     assert long["prompt_ids"] == data.prompt_ids(tok, long["question"])[-limit:]  # the generation prompt survives
     with pytest.raises(ValueError, match="more than max_bad_fraction=0.05"):
-        train_grpo.load_tasks(train_grpo.parse_config([*base, "--data.max_bad_fraction=0.05"]), tok)
+        rollout.load_tasks(train_grpo.parse_config([*base, "--data.max_bad_fraction=0.05"]), tok)
 
 
 @pytest.mark.slow

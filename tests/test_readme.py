@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import losses
+import checks
 from conftest import ROOT
 
 
@@ -61,7 +62,7 @@ def test_readme_new_loss_plugs_into_the_trainer_config(monkeypatch):
     monkeypatch.setitem(losses.LOSSES, "token_pg", readme_namespace("new-loss")["TokenMeanPGLoss"])
     monkeypatch.chdir(ROOT)
     cfg = train_grpo.parse_config(["configs/tiny.py", "--loss.name=token_pg", "--loss.kwargs={}"])
-    train_grpo.validate(cfg, 2)
+    checks.grpo(cfg, 2)
 
 
 def test_readme_new_reward_through_safe_call():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import checks
 from conftest import ROOT, GSM8K_DIR
 import config
 import run
@@ -118,7 +119,7 @@ def test_logging_extra_missing_is_a_config_error_mock_missing_package(monkeypatc
     for flag in ("wandb", "tensorboard"):
         cfg = train_grpo.parse_config([str(ROOT / "configs/tiny.py"), f"--log.{flag}=true"])
         with pytest.raises(config.ConfigError, match=rf"log.{flag}=True needs `pip install {flag}`.*make extras"):
-            train_grpo.validate(cfg, 1)
+            checks.grpo(cfg, 1)
 
 
 # ---- a user's dataset, named in the config ----------------------------------------------------------

@@ -177,9 +177,10 @@ def check_refilled(run_dir, cfg_args):
     """Every trained batch holds B informative groups: the logged prompts all have answers divisible by 4 (the
     only groups that can have 0 < std), the trained rewards have no zero-std group, and refills happened."""
     import data
+    import rollout
     import train_grpo
     cfg = train_grpo.parse_config(["configs/tiny.py", *SMALL, *cfg_args])
-    train, _, _ = train_grpo.load_tasks(cfg, data.Tokenizer(cfg.model.path))
+    train, _, _ = rollout.load_tasks(cfg, data.Tokenizer(cfg.model.path))
     rows = [r for r in metrics(run_dir / "metrics.jsonl") if "perf/step_s" in r]
     prompts = metrics(run_dir / "prompts.jsonl")
     assert [p["step"] for p in prompts] == [r["step"] for r in rows]

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+import checks
 from conftest import ROOT
 import config
 import data
@@ -76,13 +77,13 @@ def test_pack_layout(tiny_ckpt):
 def test_bad_configs():
     cfg = train_sft.parse_config([str(ROOT / "configs" / "sft_tiny.py"), "--train.batch_size=63"])
     with pytest.raises(config.ConfigError, match="batch_size=63 is not divisible"):
-        train_sft.validate(cfg, 2)
+        checks.sft(cfg, 2)
     cfg = train_sft.parse_config([str(ROOT / "configs" / "sft_tiny.py"), "--eval.stop_at_accuracy=1.5"])
     with pytest.raises(config.ConfigError, match="stop_at_accuracy"):
-        train_sft.validate(cfg, 1)
+        checks.sft(cfg, 1)
     cfg = train_sft.parse_config([str(ROOT / "configs" / "sft_tiny.py"), "--data.pack_len=32"])
     with pytest.raises(config.ConfigError, match="pack_len=32"):
-        train_sft.validate(cfg, 1)
+        checks.sft(cfg, 1)
     with pytest.raises(config.ConfigError, match="did you mean 'eval.min_step'"):
         train_sft.parse_config([str(ROOT / "configs" / "sft_tiny.py"), "--eval.min_stp=3"])
     for path in ("sft_tiny.py", "sft_gsm8k.py"):
