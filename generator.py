@@ -1,9 +1,9 @@
 """Rollout generation: turn prompt token ids into sampled completions with per-token logprobs.
 
 Two backends behind one API, chosen by `rollout.backend = "vllm" | "torch" | "auto"` (auto: vLLM on a GPU; on CPU
-whichever was measured faster for the configured layout, model size and generation length, see default_backend):
+whichever was measured faster for the configured layout, model size and generation length: rollout.default_backend):
 
-    gen = make_generator(default_backend("path/to/hf_ckpt", max_tokens=256, colocated=False), "path/to/hf_ckpt")
+    gen = make_generator("vllm", "path/to/hf_ckpt")
     groups = gen.generate(prompt_ids, n=8, temperature=1.0, max_tokens=256, stop_token_ids=tok.eos_token_ids)
     groups[i][j].token_ids, groups[i][j].logprobs        # prompt i, sample j
     gen.update_weights(model.named_parameters(), version=step)   # after each optimizer step
@@ -54,7 +54,6 @@ sleep itself is a logged no-op, v1/worker/cpu_worker.py CPUWorker.sleep), so the
 
 Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA, stop strings.
 """
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -72,56 +71,6 @@ class Completion:
     finish_reason: str             # "stop" | "length"
     generator_version: int         # weight version that produced it (see update_weights)
     metadata: dict = field(default_factory=dict)
-
-
-def num_params(model_path) -> int:
-    """Parameter count from config.json alone (no weights read): embeddings, per-layer attention + MLP + norms."""
-    import model as model_lib
-    c = model_lib.ModelConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    if c.attention_bias:  # q, k, v biases (and o_proj's, except in qwen2)
-        layer += q + 2 * kv + (c.hidden_size if c.model_type != "qwen2" else 0)
-    if c.qk_norm:
-        layer += 2 * c.head_dim
-    embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    return embed + c.num_hidden_layers * layer + c.hidden_size
-
-
-# The CPU rule of default_backend. Where the engine runs alone in its process (a dedicated generator rank, or
-# bench/generate.py: both generators side by side, one run, 2 cores; tokens/s, after the torch generator stopped
-# decoding finished rows):
-#                                         vLLM    torch   vLLM / torch
-#   0.9M toy, 4 x 8 sampled x 40 tokens   5803     9732   0.60   vLLM's per-step engine overhead dominates a tiny model
-#   0.9M toy, 32 greedy x 256 tokens      4353     3669   1.19   long rows: paged attention beats the padded cache
-#   135M SmolLM2, 4 x 8 sampled x 40       246      198   1.25   at 135M vLLM's CPU kernels win at every length
-#   135M SmolLM2, 32 GSM8K greedy x 256    279      152   1.83
-# Colocated (the engine inside the trainer's process, CPU's one-process layout), a GRPO step of configs/smollm2_cpu.py
-# (135M, 8 x 8 sampled x 32 tokens, steps 1-3 of one run each): generation torch 7.3 / 8.6 / 8.2 s, vLLM 11.4 / 13.3 /
-# 14.1 s, and the update slower beside vLLM too (26.2 / 23.2 / 20.6 s vs 23.8 / 20.7 / 19.7 s): the engine's
-# pinned CPU threads and the oneDNN repack after each weight load cost more than its kernels gain. The 0.9M tiny
-# recipe points the same way (bench/step.py: generation 0.42 s with the colocated torch generator vs 0.76 s on a
-# vLLM rank). NOTE: a later run measured the other way at 135M (bench/vs_trl.py, one run each, colocated): vLLM in
-# process generated 4 x 8 x 40 tokens in 5.8 s against torch's 6.5 s (steps equal: 17.6 vs 17.9 s) and 2 GSM8K x 8 x
-# 128 tokens in 12.4 s against 20.2 s. The rule is not changed on one run; vLLM there also needs rollout.kv_cache_mb
-# sized to the batch (the 128 MB default holds ~2.8k fp32 tokens at 135M), so the long case is a documented flag.
-VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
-VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
-
-
-def default_backend(model_path=None, max_tokens=None, colocated=True) -> str:
-    """What rollout.backend = "auto" means, by the measured rule above, for the model and workload configured.
-    vLLM on a GPU (the torch generator where vLLM is not installed). On CPU: colocated with the trainer (one
-    process), the torch generator; alone on a dedicated generator rank, vLLM for a model of >= 20M parameters or
-    generations of > 128 tokens, else the torch generator. Without a model path: CPU means the torch generator."""
-    # Asked without touching CUDA or importing vLLM (device_count asks NVML; find_spec imports nothing), so that
-    # train_grpo can decide before dist.get_roles pins this rank's GPU.
-    if torch.cuda.device_count() == 0:
-        if colocated or model_path is None:
-            return "torch"
-        if num_params(model_path) < VLLM_CPU_MIN_PARAMS and (max_tokens or 0) <= VLLM_CPU_MIN_TOKENS:
-            return "torch"
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
 def make_generator(backend: str, model_path, **kw):

@@ -306,7 +306,7 @@ def main(argv=None):
     checks.grpo(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
-    backend = generator.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
+    backend = rollout.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)

