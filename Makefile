@@ -7,7 +7,7 @@ STAMP := .venv/.installed-$(HASH)
 # the optional extra (W&B, TensorBoard): not part of `make install`; the tests read both back, so `make test` adds it
 EXTRAS := .venv/.extras-$(shell cat requirements-extra.txt | sha256sum | cut -c1-16)
 
-.PHONY: test demo demo-real compare install extras model
+.PHONY: test test-fast demo demo-real compare install extras model
 install: $(STAMP)
 
 $(STAMP): requirements-cpu.txt requirements-gpu.txt scripts/install.sh
@@ -21,6 +21,11 @@ $(EXTRAS): $(STAMP) requirements-extra.txt
 
 test: $(STAMP) $(EXTRAS)
 	$(PY) -m pytest -q tests
+
+# the unit tier a forker runs after editing a loss, reward, config or dataset: no trainer subprocess, torchrun,
+# vLLM engine or real model (those are marked slow); <= 90 s on 2 cores
+test-fast: $(STAMP) $(EXTRAS)
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

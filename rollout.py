@@ -337,6 +337,7 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
         if run.eval_due(s, cfg):
             evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
+    print(f"generator rank {roles.rank}: done, weight version {gen.version} after {cfg.train.steps} steps", flush=True)
 
 
 def mismatch(train_logp, gen_logp, mask):

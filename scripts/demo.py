@@ -58,6 +58,8 @@ sys.path.insert(0, str(ROOT))
 #       accuracy fell first (0.42 -> 0.29 at step 50) and was back at only 0.40 at step 200.
 SFT_ARGS = []
 GRPO_ARGS = []
+# the bar each seed's GRPO phase must clear on held-out accuracy (docs/demo.md), and the mean gain over seeds
+MIN_GAIN, MAX_DIP, MIN_MEAN_GAIN = 0.10, 0.05, 0.15
 
 
 def split_overrides(extra):
@@ -160,9 +162,10 @@ def print_table(s, out, total_s):
     print(f"{'GRPO':<6} {s['grpo_steps']:>6} {s['grpo_seconds']:>7.0f}s   {s['grpo_accuracy']:.3f}"
           f"  (mean of last 3 evals {s['grpo_accuracy_smoothed']:.3f}; gain {s['gain']:+.3f})")
     print(f"whole demo: {total_s:.0f} s")
-    held = 0.2 <= s["sft_accuracy"] <= 0.7 and s["gain"] >= 0.15
-    print(f"design targets (0.2 <= after SFT <= 0.7, GRPO gain >= +0.15): {'met' if held else 'NOT met'}"
-          + ("" if held else " -- results vary by seed: try more --grpo.train.steps"))
+    dip = min(a for _, a in s["grpo_evals"]) - s["sft_accuracy"]
+    held = s["gain"] >= MIN_GAIN and dip >= -MAX_DIP
+    print(f"the bar (gain >= +{MIN_GAIN:.2f}, no eval more than {MAX_DIP:.2f} below the start; worst here "
+          f"{dip:+.3f}): {'met' if held else 'NOT met'} -- docs/demo.md has the range over seeds and numeric paths")
     print(f"plots:       {out}/demo.png, {out}/sft/curves.png, {out}/grpo/curves.png")
     print(f"checkpoints: {out}/sft/hf (after SFT), {out}/grpo/hf (after GRPO)  -- Hugging Face format")
     print(f"figures:     {out}/summary.json")

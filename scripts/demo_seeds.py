@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import demo  # noqa: E402  (scripts/demo.py: ROOT, read_metrics, split_overrides)
 
 PATHS = {"native": {}, "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
-MIN_GAIN, MAX_DIP, MIN_MEAN_GAIN = 0.10, 0.05, 0.15  # the bar (docstring)
+MIN_GAIN, MAX_DIP, MIN_MEAN_GAIN = demo.MIN_GAIN, demo.MAX_DIP, demo.MIN_MEAN_GAIN  # the bar (docstring)
 
 
 def reuse_sft(src_cell, cell_dir):

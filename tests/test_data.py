@@ -379,6 +379,7 @@ def test_tiny_checkpoint_loads_in_transformers(which, tiny_ckpt, tiny_ckpt_untie
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.slow
 def test_tiny_checkpoint_serves_in_vllm(tiny_ckpt):
     """vLLM opens the checkpoint and its tokenizer; greedy tokens' logprobs match a transformers forward pass."""
     from transformers import AutoModelForCausalLM

@@ -34,6 +34,7 @@ def assert_ok(rc, log):
     assert rc == 0, log[-4000:]
 
 
+@pytest.mark.slow
 def test_fsdp_tp_match_one_rank_colocated_sync_and_resume(tmp_path):
     rc, log, _ = launch("trainers2", tmp_path)
     assert_ok(rc, log)
@@ -57,6 +58,7 @@ def test_fsdp_tp_match_one_rank_colocated_sync_and_resume(tmp_path):
         assert ck["leftovers"] == ["step_1"]  # truncated step_5 (no COMPLETE) and step_7.tmp removed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,dp_shard", [(2, 1), (3, 2)])
 def test_broadcast_weights_bit_exact(tmp_path, nproc, dp_shard):
     scenario = f"sync{nproc}"
@@ -124,6 +126,7 @@ def test_bucket_plan_keeps_units_whole(bucket_bytes):
         assert len(plan) == 4 and params["lm_head.weight"].numel() * 4 > bucket_bytes
 
 
+@pytest.mark.slow
 def test_plain_python_is_a_world_of_one(tmp_path):
     rc, log, _ = launch("world1", tmp_path, torchrun=False, timeout=90)
     assert_ok(rc, log)
@@ -136,6 +139,7 @@ def test_plain_python_is_a_world_of_one(tmp_path):
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
 
 
+@pytest.mark.slow
 def test_dead_rank_fails_fast_and_names_it(tmp_path):
     # rank 1 calls os._exit(1) while rank 0 is in an all_reduce: torchrun's agent must stop the survivor and
     # exit non-zero naming rank 1, well within the 10 s process-group timeout (no hang)
@@ -145,6 +149,7 @@ def test_dead_rank_fails_fast_and_names_it(tmp_path):
     assert wall < 40, wall
 
 
+@pytest.mark.slow
 def test_silent_rank_times_out(tmp_path):
     # rank 1 is alive but never joins the collective: rank 0 gives up after the 5 s group timeout, no hang
     rc, log, wall = launch("hang", tmp_path, timeout=60)
@@ -186,6 +191,7 @@ def test_validate_rejects_more_ranks_than_gpus_mock_cuda(monkeypatch):
         checks.grpo(cfg, 8)
 
 
+@pytest.mark.slow
 def test_engine_ranks_env_before_vllm_import_cpu_shows_env_not_cuda_placement(tmp_path):
     """torchrun, 1 trainer + 2 generator ranks, through dist.get_roles and a real `import vllm`. Shows: each
     generator rank's environment at the moment vLLM was imported pins its own GPU (the LOCAL_RANK-th of the job's

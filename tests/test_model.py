@@ -331,6 +331,7 @@ def vllm_ckpt(request, tmp_path_factory):
     llm.llm_engine.engine_core.shutdown()  # orderly, while the interpreter is still whole
 
 
+@pytest.mark.slow
 def test_vllm_prompt_logprobs_match(vllm_ckpt):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

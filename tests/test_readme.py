@@ -1,5 +1,6 @@
-"""README.md's code is real: the worked examples marked `<!-- readme-example: NAME -->` are executed and
-checked against the library (the new loss against DAPOLoss on the spec's fixture F)."""
+"""README.md's and docs/'s code is real: the worked examples marked `<!-- readme-example: NAME -->` are executed and
+checked against the library (the new loss against DAPOLoss on the spec's fixture F), every block marked
+`<!-- cpu-test -->` runs as written, and every relative link (a file, or a heading in one) resolves."""
 import re
 
 import pytest
@@ -73,13 +74,41 @@ def test_readme_new_reward_through_safe_call():
     assert reward_guard.safe_call(reward, "q", " ".join("x" * 20), "3")[0] == 0.0
 
 
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_resolves():
+    """README.md and docs/*.md: each [text](target) that is not a URL names a file that exists (relative to the page),
+    and a #fragment names a heading of that file."""
+    checked = 0
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # links inside code blocks are not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, frag = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.relative_to(ROOT)}: link to missing {target}"
+            if frag:
+                heads = {slug(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                assert frag in heads, f"{page.relative_to(ROOT)}: no heading #{frag} in {dest.name}"
+            checked += 1
+    assert checked >= 10, checked  # the pages do link to each other
+
+
+@pytest.mark.slow
 def test_readme_cpu_blocks_run(tmp_path):
-    """Every ```bash block preceded by `<!-- cpu-test -->` runs as written (outputs under a temp dir)."""
+    """Every ```bash block preceded by `<!-- cpu-test -->`, in README.md and docs/, runs as written (outputs under a
+    temp dir)."""
     import json
     import os
     import subprocess
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"<!-- cpu-test -->\s*```bash\n(.*?)```", text, re.S)
+    blocks = [b for page in PAGES for b in re.findall(r"<!-- cpu-test -->\s*```bash\n(.*?)```", page.read_text(), re.S)]
     assert blocks, "README.md has no <!-- cpu-test --> block"
     env = {**os.environ, "NF_OUT": str(tmp_path)}
     for block in blocks:
@@ -94,6 +123,7 @@ def test_readme_cpu_blocks_run(tmp_path):
         assert (tmp_path / run / "hf" / "config.json").exists(), run
 
 
+@pytest.mark.slow
 def test_readme_reward_config_runs_without_editing_nanoforge(tmp_path):
     """The README's reward, saved as the user's own file, named in a config: two GRPO steps, scored in a RewardPool
     worker (which must import the file by name), and the logged total is the weighted sum of the logged parts."""

@@ -4,7 +4,7 @@ Oracles: transformers' LlamaForCausalLM for model.py's logits, transformers' tok
 model.py's own forward (the trainer's logprobs) for both generators, and the trainer's exported weights for what
 vLLM generates from the export. The end-to-end runs are the real commands in subprocesses with tiny batches:
 GRPO with the reference model on (beta > 0) in one process and as 1 trainer + 1 vLLM rank under torchrun, and SFT
-on GSM8K rows. Measured on 2 cores with a warm cache (see the README's Status for the figures).
+on GSM8K rows. Measured on 2 cores with a warm cache (figures: docs/real-model.md).
 """
 import json
 import math
@@ -19,6 +19,7 @@ import generator
 from conftest import GSM8K_DIR, ROOT
 from model import Transformer
 
+pytestmark = pytest.mark.slow  # the real 135M model, its conversion and vLLM: not the unit tier
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 # short questions this model answers in a few tokens: both generators must stop on <|im_end|> (id 2) for them
 SHORT = ["What is 2 + 3? Answer with just the number.", "What is the capital of France? One word."]
@@ -164,7 +165,6 @@ print(json.dumps({{"same": a == b, "vllm": a, "torch": b}}))
     assert got["same"], got
 
 
-@pytest.mark.slow
 def test_grpo_colocated_with_reference_model(smollm2, tmp_path, tok):
     """One process, the CPU default (trainer and generator colocated), beta > 0; the export opens in vLLM."""
     run_grpo([f"--model.path={smollm2}", "--dist.generator_ranks=0", "--log.run=colo"], tmp_path)
@@ -172,7 +172,6 @@ def test_grpo_colocated_with_reference_model(smollm2, tmp_path, tok):
     check_export_in_vllm(tmp_path / "colo" / "hf", tok)
 
 
-@pytest.mark.slow
 def test_grpo_trainer_and_vllm_rank_under_torchrun(smollm2, tmp_path):
     """1 trainer + 1 vLLM rank (gloo): the 538 MB weight sync reaches the engine (mismatch stays ~1e-5)."""
     run_grpo([f"--model.path={smollm2}", "--dist.generator_ranks=1", "--rollout.backend=vllm", "--log.run=two"],
@@ -181,7 +180,6 @@ def test_grpo_trainer_and_vllm_rank_under_torchrun(smollm2, tmp_path):
     assert (tmp_path / "two" / "hf" / "model.safetensors").exists()
 
 
-@pytest.mark.slow
 def test_sft_on_gsm8k_rows_lowers_loss_and_exports(smollm2, tmp_path):
     """A repeated batch (a 2-row train file, batch 2): the loss falls step after step; the export reproduces
     the run's last eval loss."""

@@ -133,6 +133,7 @@ def load(source, split):
 '''
 
 
+@pytest.mark.slow
 def test_own_dataset_loader_trains_and_counts_malformed_rows(tmp_path):
     (tmp_path / "my_data.py").write_text(LOADER)
     good = [{"q": f"What is {a} plus {b}?", "a": str(a + b)} for a in range(1, 9) for b in range(1, 9)]
@@ -171,6 +172,7 @@ def wandb_records(path, block=32768):
     return out
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_tensorboard_hold_every_metric(tmp_path):
     res = trainer("train_grpo.py", "configs/tiny.py", f"--model.path=tiny:{tmp_path}/init", "--train.steps=3",
                   "--rollout.prompts_per_step=4", "--eval.num_problems=8", "--eval.every=2", f"--log.out_dir={tmp_path}",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import GSM8K_DIR, ROOT
 
 pytestmark = pytest.mark.slow
 KEYS = ["rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollout/response_len", "loss/pg",
@@ -149,6 +149,47 @@ def test_drift_metrics_measure_without_changing_the_run(tmp_path, start_ckpt):
     first, second = rows["true"]
     assert first["drift/kl_start"] == 0.0 < second["drift/kl_start"]
     assert 0 < first["drift/kl_step"] < math.inf and 0 < first["drift/moved_frac"] <= 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_headline_command_at_its_own_size(tmp_path, start_ckpt, tp):
+    """`torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py` itself, changing only what CPU forces (a tiny
+    model, fp32, a small KV cache, few prompts and tokens, 2 steps, the local GSM8K): 6 FSDP2 trainer ranks (3 x 2
+    with dist.tp=2), 2 vLLM generator ranks, staleness 1, the reference model (beta 0.04), pass@8 eval. Every rank
+    exits 0, the metrics are finite, each generator rank ends at weight version 2, and vLLM opens the export."""
+    data_dir = GSM8K_DIR
+    cpu = [f"--model.path={start_ckpt}", "--model.dtype=float32", "--rollout.kv_cache_mb=32",
+           "--rollout.prompts_per_step=12", "--rollout.group_size=2", "--rollout.max_tokens=16",
+           "--eval.num_problems=12", "--train.steps=2", "--train.micro_batch=8", "--dist.timeout_s=300",
+           f"--data.source={data_dir}/train.jsonl", f"--data.eval_source={data_dir}/test.jsonl",
+           f"--dist.tp={tp}", f"--log.out_dir={tmp_path}", "--log.run=gsm8k", "--ckpt.every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8", "train_grpo.py",
+                          "configs/gsm8k.py", *cpu], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    cfg = json.loads((tmp_path / "gsm8k" / "config.json").read_text())
+    assert (cfg["dist"]["generator_ranks"], cfg["rollout"]["max_staleness"], cfg["loss"]["kwargs"]["beta"],
+            cfg["eval"]["pass_k"], cfg["data"]["name"]) == (2, 1, 0.04, 8, "gsm8k")  # the recipe's own settings
+    rows = metrics(tmp_path / "gsm8k" / "metrics.jsonl")
+    train_rows = [r for r in rows if "perf/step_s" in r]
+    assert [r["step"] for r in train_rows] == [1, 2] and "eval/pass@8" in rows[-1]
+    for r in train_rows:
+        for k in ("loss/pg", "loss/kl", "loss/entropy", "train/grad_norm", "mismatch/abs_diff", "rollout/reward_mean"):
+            assert math.isfinite(r[k]), (k, r[k])
+        assert r["perf/ref_s"] > 0  # the reference model ran
+    assert [r["rollout/staleness"] for r in train_rows] == [0.0, 1.0]
+    done = sorted(line for line in res.stdout.splitlines() if "weight version" in line)
+    assert done == [f"generator rank {r}: done, weight version 2 after 2 steps" for r in (6, 7)], done
+    check = f"""
+import os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, {str(ROOT)!r})
+import generator
+v = generator.VLLMGenerator({str(tmp_path / "gsm8k" / "hf")!r}, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+print("OPENED", len(v.generate([[1, 2, 3]], temperature=0.0, max_tokens=4)[0][0].token_ids))
+"""
+    opened = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert opened.returncode == 0 and "OPENED" in opened.stdout, opened.stderr[-3000:]
 
 
 def test_bench_gpu_cpu_smoke():
