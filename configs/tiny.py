@@ -13,17 +13,17 @@ data.min_digits = 2                 # RL and eval on 2-digit operands (SFT saw 1
 rollout.prompts_per_step = 32       # B
 rollout.group_size = 8              # G: 32 x 8 = 256 completions per step, ~17 tokens each
 rollout.max_tokens = 40
+rollout.overlong_cache = 16         # DAPO's soft overlong punishment past 24 tokens (answers are <= 22): a reply that
+                                    # never stops ("The answer is 76. The. The. ...") no longer scores like one that does
 loss.name = "grpo"
 loss.kwargs = {"beta": 0.0, "agg": "token_mean"}   # the calibrated setting: token-mean PG, no KL
 loss.adv_eps = 1e-4
-rollout.overlong_cache = 16         # DAPO's soft overlong punishment past 24 tokens (answers are <= 22): a reply that
-                                    # never stops ("The answer is 76. The. The. ...") no longer scores like one that does
-optim.lr = 1e-4                     # 3e-4 collapsed seeds; 2e-4 still dipped 0.15 (README "The demo", docs/demo.md)
-optim.warmup_steps = 20             # Adam's first steps are sign steps: at full lr step 1 alone moved KL 0.08 nats/token
+optim.lr = 1e-4                     # 3e-4 collapsed a seed, and 2e-4 still dipped 0.15 (docs/demo.md)
+optim.warmup_steps = 20             # Adam's first steps are sign steps: at full lr step 1 alone moved 0.08 nats/token
 optim.schedule = "cosine"           # to 0.1 x lr at the last step
 optim.betas = (0.9, 0.99)
 optim.grad_clip = 1.0
-train.steps = 300
+train.steps = 300                   # the demo: +0.15 to +0.31 held-out over 5 seeds x 2 numeric paths (docs/demo.md)
 train.micro_batch = 256             # one forward/backward for the whole batch (tiny model)
 dist.generator_ranks = 0             # colocated; rollout.backend "auto" = the torch generator on CPU
 eval.every = 50

@@ -85,6 +85,7 @@ def run_grpo(*args, timeout=120):
     (["--optim.shedule=cosine"], "did you mean 'optim.schedule'"),
     (["--log.wandb=true"], "log.wandb=True: no W&B API key"),  # the extra is installed; missing: test_run.py
 ])
+@pytest.mark.slow  # a trainer in a subprocess: the CLI exit path (the same checks run in-process in the fast tier)
 def test_train_grpo_rejects_bad_config_before_loading(args, message):
     """Each bad input fails fast (no model, no vLLM) with a message naming the field."""
     res = run_grpo("configs/tiny.py", "--dist.generator_ranks=0", *args, timeout=60)

@@ -27,6 +27,7 @@ def rows(path):
 
 
 # ---- --help and --print-config -----------------------------------------------------------------
+@pytest.mark.slow  # a trainer in a subprocess: the CLI exit path (the same checks run in-process in the fast tier)
 @pytest.mark.parametrize("script,cfg", [("train_grpo.py", "configs/tiny.py"), ("train_sft.py", "configs/sft_tiny.py")])
 def test_help_lists_every_field_with_default_type_and_comment(script, cfg):
     res = trainer(script, cfg, "--help", timeout=60)
@@ -45,6 +46,7 @@ def test_help_lists_every_field_with_default_type_and_comment(script, cfg):
         assert '"path/file.py:Name" (see rollout.py)' in res.stdout
 
 
+@pytest.mark.slow  # a trainer in a subprocess: the CLI exit path (the same checks run in-process in the fast tier)
 def test_print_config_prints_the_resolved_config_and_loads_nothing(tmp_path):
     res = trainer("train_grpo.py", "configs/tiny.py", "--optim.lr=1e-4", f"--log.out_dir={tmp_path}",
                   f"--model.path=tiny:{tmp_path}/init", "--print-config", timeout=60)
@@ -60,6 +62,7 @@ def test_print_config_prints_the_resolved_config_and_loads_nothing(tmp_path):
 
 
 # ---- bad inputs fail before anything is created -------------------------------------------------
+@pytest.mark.slow  # a trainer in a subprocess: the CLI exit path (the same checks run in-process in the fast tier)
 def test_model_path_typo_creates_nothing(tmp_path):
     """The exact command from the issue: a typo in --model.path once trained a random model made at the typo."""
     res = trainer(str(ROOT / "train_grpo.py"), str(ROOT / "configs/tiny.py"), "--model.path=my-models/typo",
@@ -84,6 +87,7 @@ def test_model_path_typo_creates_nothing(tmp_path):
     (["--rollout.rewards={'os:sep': 1.0}"], "rollout.rewards['os:sep']: 'os:sep' is a str, not a callable"),
     (["--rollout.rewards={'missing.py:R': 1.0}"], "cannot load 'missing.py:R' (FileNotFoundError"),
 ])
+@pytest.mark.slow  # a trainer in a subprocess: the CLI exit path (the same checks run in-process in the fast tier)
 def test_bad_data_and_reward_names_fail_before_loading(tmp_path, args, message):
     res = trainer("train_grpo.py", "configs/tiny.py", f"--model.path=tiny:{tmp_path}/init",
                   f"--log.out_dir={tmp_path}", *args, timeout=60)
@@ -92,6 +96,7 @@ def test_bad_data_and_reward_names_fail_before_loading(tmp_path, args, message):
     assert "Traceback" not in res.stderr and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # a trainer in a subprocess: the CLI exit path (the same checks run in-process in the fast tier)
 def test_reward_kwargs_are_checked_when_instantiated(tmp_path):
     res = trainer("train_grpo.py", "configs/tiny.py", f"--model.path=tiny:{tmp_path}/init",
                   f"--log.out_dir={tmp_path}", "--rollout.rewards={'think': {'weight': 1.0, 'tagg': 'x'}}", timeout=60)
