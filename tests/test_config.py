@@ -109,7 +109,7 @@ def intended_world_size(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_config_parses_and_validates_offline(path, monkeypatch):
-    """parse_config + validate (train_sft's for sft_*), no model loaded, and no network: a hub name such as
+    """parse_config + checks.grpo (checks.sft for sft_*), no model loaded, and no network: a hub name such as
     Qwen/Qwen2.5-1.5B-Instruct must pass validation on a machine that cannot reach the hub."""
     import socket
     import train_grpo
