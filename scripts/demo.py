@@ -31,11 +31,13 @@ loss / reward / length / KL+entropy / step-time panels, config.json, and the Hug
 Overrides: `--sft.<section>.<field>=v` goes to train_sft.py, `--grpo.<section>.<field>=v` to
 train_grpo.py (tests run a shortened demo this way).
 
-The recipe holds across seeds and CPU numeric paths (docs/demo.md; `python scripts/demo_seeds.py` reruns it): over
-seeds 0-4 on this CPU's AVX-512 kernels and on the AVX2 kernels of an AVX2-only machine, GRPO gained +0.152 to
-+0.308 held-out (mean +0.270 and +0.242 per path), and no eval of any run fell below its start. The recipe before
-(lr 3e-4 from step 1, no warm-up, no length penalty) gained -0.292 to +0.304, failing the bar on 2 of those 10 runs.
-TIMING_DOC
+The recipe holds across seeds and CPU numeric paths (docs/demo.md; `python scripts/demo_seeds.py` reruns it):
+over seeds 0-4 on an AVX-512 machine's native kernels and on the AVX2 kernels it falls back to when forced (an
+AVX2-only machine's path), GRPO gained +0.152 to +0.308 held-out (mean +0.270 and +0.242 per path), and no eval of
+any run fell below its start. The recipe before (lr 3e-4 from step 1, no warm-up, no length penalty) gained -0.292
+to +0.304, failing the bar on 2 of those 10 runs.
+Measured on 2 cores of an AVX-512 box (2026-12-02, seed 0, `make demo`): 578 s, SFT 1050 steps in 278 s, GRPO 300
+steps in 300 s. SFT's length varies by seed (675-1450 steps), so other seeds take ~8-11 minutes.
 """
 import argparse
 import json
