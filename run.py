@@ -1,13 +1,14 @@
 """A training run's bookkeeping, shared by train_sft.py and train_grpo.py.
 
-The trainers own the algorithm; this file owns what every run does around it, the same way for both:
-the command line (`--help`, `--print-config`), loading a user's reward or loader named as "module:Name" /
-"file.py:Name" (checks.py fails a bad config with it before anything heavy starts), where the starting
-checkpoint comes from ("tiny:<dir>" is the only path that creates one) and its cheap sanity check, the optimizer and its learning-rate schedule, what a resume continues from (said out loud, so
-a resume can never silently train zero steps) and restoring it, the periodic checkpoint, the run's outputs
-(`RunLog`: config.json, `metrics.jsonl` with one JSON row per step, cut back to the checkpoint on resume,
-the progress line, W&B, TensorBoard, plots), the end of a step (log, report a skipped step, abort after too
-many), and the process exit (a config error is one line; a failed collective names the lost rank).
+The trainers own the algorithm; this file owns what every run does around it, the same way for both: the command
+line (`--help`, `--print-config`), loading a user's reward or loader named as "module:Name" / "file.py:Name"
+(checks.py fails a bad config with it before anything heavy starts), where the starting checkpoint comes from
+("tiny:<dir>" is the only path that creates one) and its cheap sanity check, the optimizer and its learning-rate
+schedule, what a resume continues from (said out loud, so a resume can never silently train zero steps) and
+restoring it, the periodic checkpoint, the run's outputs (`RunLog`: config.json, `metrics.jsonl` with one JSON row
+per step, cut back to the checkpoint on resume, the progress line, W&B, TensorBoard, plots), the end of a step (log,
+report a skipped step, abort after too many), and the process exit (a config error is one line; a failed collective
+names the lost rank).
 """
 import dataclasses
 import importlib.util

@@ -46,7 +46,6 @@ import checkpoint
 import checks
 import data
 import dist
-import generator
 import losses
 import reward_guard
 import rollout
