@@ -22,6 +22,7 @@ import torch
 import checkpoint
 import config
 import dist
+import episodes
 import losses
 import rollout
 import run
@@ -72,6 +73,11 @@ def grpo(cfg, world_size):
          ">= 0 and < rollout.max_tokens"),
         ("rollout.reward_timeout_s", c.rollout.reward_timeout_s > 0, "> 0"),
         ("rollout.reward_workers", c.rollout.reward_workers >= 0, ">= 0"),
+        ("rollout.max_turns", c.rollout.max_turns >= 1, ">= 1"),
+        ("rollout.max_episode_tokens", not c.rollout.env or c.rollout.max_episode_tokens >= c.rollout.max_tokens,
+         ">= rollout.max_tokens with rollout.env"),
+        ("rollout.max_env_chars", c.rollout.max_env_chars >= 1, ">= 1"),
+        ("rollout.env_timeout_s", c.rollout.env_timeout_s > 0, "> 0"),
         ("loss.adv_eps", c.loss.adv_eps > 0, "> 0"),
         ("loss.tis_cap", c.loss.tis_cap >= 0, ">= 0 (0 = off)"),
         ("loss.entropy_coef", c.loss.entropy_coef >= 0, ">= 0"),
@@ -87,6 +93,10 @@ def grpo(cfg, world_size):
         ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1, ">= 0 (0: every step), -1 never")])
     outside_world(cfg)
     rollout.reward_specs(cfg.rollout.rewards)  # every named reward imports
+    episodes.env_spec(cfg.rollout.env)  # and the env
+    if cfg.rollout.env and cfg.rollout.overlong_cache:  # its lengths are a reply's; an episode holds several and env turns
+        raise err(f"rollout.overlong_cache={cfg.rollout.overlong_cache}: DAPO's overlong shaping is single-turn; set it "
+                  "to 0 with rollout.env (rollout.max_tokens still caps each reply)")
     if cfg.loss.name not in losses.LOSSES:
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
     kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))

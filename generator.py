@@ -71,6 +71,7 @@ class Completion:
     finish_reason: str             # "stop" | "length"
     generator_version: int         # weight version that produced it (see update_weights)
     metadata: dict = field(default_factory=dict)
+    mask: list[int] | None = None  # a multi-turn episode's loss mask: 1 sampled, 0 env tokens (episodes.py)
 
 
 def make_generator(backend: str, model_path, **kw):

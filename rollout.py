@@ -51,6 +51,7 @@ import torch.distributed as tdist
 import config
 import data
 import dist
+import episodes
 import generator
 import losses
 import reward_guard
@@ -73,8 +74,9 @@ def load_tasks(cfg, tok):
     num_long, L = 0, cfg.data.max_prompt_tokens
     for split in (train, held_out):
         keep = []
-        for p in split:
-            p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
+        for p in split:  # with an env, the prompt is its opening conversation (envs.py)
+            p["prompt_ids"] = episodes.opening_ids(tok, episodes.make_env(cfg, p)) if cfg.rollout.env else \
+                data.prompt_ids(tok, p["question"] + cfg.data.instruction)
             num_long += len(p["prompt_ids"]) > L
             if len(p["prompt_ids"]) > L and cfg.data.long_prompts == "truncate":
                 p["prompt_ids"] = p["prompt_ids"][-L:]
@@ -138,7 +140,10 @@ def default_backend(model_path=None, max_tokens=None, colocated=True) -> str:
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
-def build_generator(cfg, path, max_model_len, roles):
+def build_generator(cfg, path, roles, tok):
+    """This rank's engine; with `rollout.env`, wrapped to play multi-turn episodes (episodes.MultiTurn)."""
+    r = cfg.rollout
+    max_model_len = cfg.data.max_prompt_tokens + (r.max_episode_tokens if r.env else r.max_tokens)
     kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
     if backend == "auto":  # measured per layout, model size and generation length (default_backend)
         backend = default_backend(path, cfg.rollout.max_tokens, colocated=roles.colocated)
@@ -149,17 +154,20 @@ def build_generator(cfg, path, max_model_len, roles):
                   colocated=roles.colocated)
     else:  # on this rank's device (a GPU without vLLM), computing in the trainer's dtype
         kw.update(device=roles.device, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
-    return generator.make_generator(backend, path, **kw)
+    gen = generator.make_generator(backend, path, **kw)
+    return episodes.MultiTurn(gen, tok, cfg) if r.env else gen
 
 
 def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, seed):
     """This producer's share (problems producer::num_producers), tagged with their global index."""
     mine = list(range(producer, len(problems), num_producers))
     t0 = time.perf_counter()
-    out = gen.generate([problems[i]["prompt_ids"] for i in mine], n=n, temperature=temperature,
-                       top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
-                       top_k=cfg.rollout.top_k if temperature > 0 else -1,
-                       max_tokens=cfg.rollout.max_tokens, seed=seed)
+    sampling = dict(n=n, temperature=temperature, top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
+                    top_k=cfg.rollout.top_k if temperature > 0 else -1, max_tokens=cfg.rollout.max_tokens, seed=seed)
+    if isinstance(gen, episodes.MultiTurn):  # multi-turn: each completion is a whole episode
+        out = gen.episodes([problems[i] for i in mine], **sampling)
+    else:
+        out = gen.generate([problems[i]["prompt_ids"] for i in mine], **sampling)
     generator.check_completions(out, len(mine), n)  # fewer completions than asked: an error, not a shape crash
     return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
 
@@ -282,14 +290,18 @@ def make_rewards(cfg):
 
 def score(groups, problems, reward_fns, weights, cfg, pool=None):
     """Rewards (B, G) of this rank's groups: the weighted total, and the "math" component (correctness)."""
-    prompts, responses, targets = [], [], []
+    prompts, responses, targets, ends = [], [], [], []
     for p, comps in zip(problems, groups):
         for c in comps:
             prompts.append(p["question"])
-            responses.append(c.text)
-            targets.append(str(p["target"]))
+            responses.append(c.text)  # a multi-turn episode's last reply, against the env's target if it has one
+            targets.append(c.metadata.get("target") or str(p["target"]))
+            ends.append((c.metadata.get("end"), c.metadata.get("env_reward")))
     total, stats, parts = reward_guard.score_batch(reward_fns, weights, prompts, responses, targets,
                                                    timeout_s=cfg.rollout.reward_timeout_s, pool=pool, per_reward=True)
+    if cfg.rollout.env:  # an episode scores the env's reward plus the rewards on its last reply; an env error 0
+        total = [0.0 if end == "error" else t + (env_r or 0.0) for t, (end, env_r) in zip(total, ends)]
+        parts["math"] = [0.0 if end == "error" else m for m, (end, _) in zip(parts["math"], ends)]
     view = lambda x: torch.tensor(x, dtype=torch.float32).view(len(groups), -1)  # noqa: E731
     return view(total), view(parts["math"]), stats
 
@@ -359,7 +371,8 @@ def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped
            "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
            "rollout/staleness": float((step - batch["version"]).mean()),
            "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
-           "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts": float(num_dropped)}
+           "data/dropped_prompts" if cfg.data.long_prompts == "drop" else "data/truncated_prompts": float(num_dropped),
+           **(episodes.stats(groups) if cfg.rollout.env else {})}
     keys = sorted(row)
     vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
     tdist.all_reduce(vec, group=dp_group)

@@ -96,6 +96,13 @@ class Rollout:
     rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
                                     # math | think | format | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
     reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
+    env: str | dict = ""            # multi-turn (envs.py, episodes.py): calculator | retry | guess | "file.py:Class",
+                                    # or {"name": ..., **kwargs}; "" = single-turn
+    max_turns: int = 4              # multi-turn: sampled replies per episode at most
+    max_episode_tokens: int = 256   # multi-turn: ids after the opening prompt (replies and env turns); a turn is
+                                    # played only if its whole max_tokens still fits
+    max_env_chars: int = 1000       # multi-turn: each env message is cut to this many characters
+    env_timeout_s: float = 2.0      # multi-turn: an env.step past this ends its episode as an error (scored 0)
     reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
 
 
@@ -202,7 +209,10 @@ def make_batch(problems, groups, pad_id):
         ids[i, P:P + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
         attn[i, P - len(p):P + len(c.token_ids)] = 1
         gen_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
-    mask = attn[:, P:].float()  # (B*G, R): 1 on response tokens
+    mask = attn[:, P:].float()  # (B*G, R): 1 on response tokens (sampled ones only, in a multi-turn episode)
+    for i, (_, c) in enumerate(seqs):
+        if c.mask is not None:
+            mask[i, :len(c.mask)] = torch.tensor(c.mask, dtype=torch.float32)
     version = torch.tensor([float(c.generator_version) for _, c in seqs])
     prompt = torch.tensor([i for i, comps in enumerate(groups) for _ in comps])  # row -> its prompt
     return dict(ids=ids, attn=attn, mask=mask, gen_logp=gen_logp, P=P, version=version, prompt=prompt)
@@ -317,7 +327,7 @@ def main(argv=None):
     tok = data.Tokenizer(path)
     gen = None
     if roles.is_generator or roles.colocated:
-        gen = rollout.build_generator(cfg, path, cfg.data.max_prompt_tokens + cfg.rollout.max_tokens, roles)
+        gen = rollout.build_generator(cfg, path, roles, tok)  # multi-turn (rollout.env): an engine that plays episodes
         if hasattr(gen, "release_default_group"):
             gen.release_default_group()
     dist.init_distributed(roles, cfg.dist.timeout_s)

@@ -145,3 +145,27 @@ def test_readme_reward_config_runs_without_editing_nanoforge(tmp_path):
         assert row["rewards/ConcisenessReward_errors"] == 0 and row["rewards/ConcisenessReward_timeouts"] == 0
         assert row["rollout/reward_mean"] == pytest.approx(row["rewards/math_mean"]
                                                           + 0.2 * row["rewards/ConcisenessReward_mean"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_readme_new_env_steps_and_runs_two_grpo_steps(tmp_path):
+    """The README's env: its contract by hand, then saved as the user's own file and named in rollout.env for two
+    colocated GRPO steps, whose episodes it ends (done) or that hit a limit, never an env error."""
+    import json
+    import subprocess
+    import sys
+    Hint = readme_namespace("new-env")["Hint"]
+    p = {"question": "Ann has 12 pens. She finds 5 more. How many pens now?", "target": "17"}
+    assert Hint(p).step("17").reward == 1.0
+    env = Hint(p)
+    assert env.step("16").messages == [{"role": "user", "content": "Not quite: it ends in 7."}]
+    assert env.step("It is 17.").reward == 0.5
+    assert Hint(p).step("no number yet").done is False
+    (tmp_path / "hint.py").write_text(readme_block("new-env"))
+    res = subprocess.run([sys.executable, "train_grpo.py", "configs/tiny.py", f"--rollout.env={tmp_path}/hint.py:Hint",
+                          f"--model.path=tiny:{tmp_path}/init", "--train.steps=2", "--rollout.prompts_per_step=4",
+                          "--rollout.overlong_cache=0", "--eval.num_problems=8", f"--log.out_dir={tmp_path}",
+                          "--log.run=env"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (tmp_path / "env" / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(steps) == 2 and all(r["episode/error_frac"] == 0 and r["episode/turns"] >= 1 for r in steps)

@@ -26,11 +26,11 @@ def test_every_eval_sees_fresh_weights():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU 'auto' is vLLM")
 def test_auto_backend_is_the_torch_generator_on_cpu(tiny_ckpt):
     for colocated in (True, False):  # colocated, and a dedicated rank with a small model and short generations
-        cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rollout=SimpleNamespace(backend="auto", max_tokens=40),
-                              model=SimpleNamespace(dtype="bfloat16"))
+        cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rollout=SimpleNamespace(backend="auto", max_tokens=40,
+                              env=""), model=SimpleNamespace(dtype="bfloat16"), data=SimpleNamespace(max_prompt_tokens=24))
         roles = SimpleNamespace(device=torch.device("cpu"), colocated=colocated)
-        gen = rollout.build_generator(cfg, tiny_ckpt, max_model_len=64, roles=roles)
-        assert isinstance(gen, TorchGenerator)
+        gen = rollout.build_generator(cfg, tiny_ckpt, roles, tok=None)
+        assert isinstance(gen, TorchGenerator) and gen.max_model_len == 64  # prompt + response budget
         # on the rank's device, in the trainer's compute dtype (KV cache included): what it does on a GPU without vLLM
         assert gen.device == roles.device and gen.dtype == torch.bfloat16
         assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
