@@ -94,9 +94,9 @@ def grpo(cfg, world_size):
     outside_world(cfg)
     rollout.reward_specs(cfg.rollout.rewards)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
-    if cfg.rollout.env and cfg.rollout.overlong_cache:  # its lengths are a reply's; an episode holds several and env turns
-        raise err(f"rollout.overlong_cache={cfg.rollout.overlong_cache}: DAPO's overlong shaping is single-turn; set it "
-                  "to 0 with rollout.env (rollout.max_tokens still caps each reply)")
+    if cfg.rollout.env and cfg.rollout.overlong_cache:  # it reads one reply's length; an episode holds several
+        raise err(f"rollout.overlong_cache={cfg.rollout.overlong_cache}: DAPO's overlong shaping is single-turn; "
+                  "set it to 0 with rollout.env (rollout.max_tokens still caps each reply)")
     if cfg.loss.name not in losses.LOSSES:
         raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
     kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))

@@ -2,7 +2,7 @@
 
 Contract (text in, text out; an env never sees a token id):
 
-    env = MyEnv(problem, seed, **kwargs)   # problem: a dict with "question" and "target"; one env per episode
+    env = MyEnv(problem, seed, **kwargs)   # problem: "question" (+ data.instruction), "target"; one per episode
     env.reset() -> list[message]           # the opening conversation: a pure function of (problem, seed)
     env.step(assistant_text) -> Step(messages, done, reward=None, info={})
 

@@ -66,9 +66,10 @@ def env_spec(spec):
 
 
 def make_env(cfg, problem):
+    """The env of one episode of `problem`, which it sees with data.instruction appended to the question."""
     cls, kwargs = env_spec(cfg.rollout.env)
     try:
-        return cls(problem, cfg.train.seed, **kwargs)
+        return cls({**problem, "question": problem["question"] + cfg.data.instruction}, cfg.train.seed, **kwargs)
     except TypeError as e:  # wrong keyword arguments for the class
         raise config.ConfigError(f"rollout.env: {cls.__name__}(problem, seed, **{kwargs}) failed: {e}") from None
 

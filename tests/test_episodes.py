@@ -5,6 +5,7 @@ returned (recorded) and the env's messages; the trainer's logprobs on a whole ep
 (torch and vLLM, tiny and SmolLM2); envs that raise, hang or return garbage end only their own episode."""
 import json
 import math
+import os
 import shutil
 import time
 
@@ -18,6 +19,7 @@ import episodes
 import generator
 import train_grpo
 from config import ConfigError
+from conftest import ROOT
 from model import Transformer
 from test_train_grpo import metrics, run
 from types import SimpleNamespace as NS
@@ -39,7 +41,8 @@ def test_arith_evaluates_arithmetic_and_refuses_everything_else():
 def test_builtin_envs_follow_the_contract():
     p = {"question": "Ann has 23 pens. She buys 47 more. How many pens now?", "target": "70"}
     calc = envs.Calculator(p)
-    assert [m["role"] for m in calc.reset()] == ["system", "user"] and "<calc>23*47</calc>" in calc.reset()[0]["content"]
+    opening = calc.reset()
+    assert [m["role"] for m in opening] == ["system", "user"] and "<calc>23*47</calc>" in opening[0]["content"]
     s = calc.step("Let me add. <calc>23 + 47</calc>")
     assert s == envs.Step([{"role": "user", "content": "<result>70</result>"}], done=False, info={"tool_call": True})
     s = calc.step("<calc>__import__('os')</calc>")  # refused with a reply, not an exception
@@ -79,8 +82,11 @@ def test_env_config_names_the_closest_env_and_refuses_overlong_shaping(tiny_ckpt
         checks.grpo(train_grpo.parse_config(["configs/tiny.py", f"--model.path={tiny_ckpt}", "--rollout.env=guess"]), 1)
     with pytest.raises(ConfigError, match="rollout.max_episode_tokens"):
         checks.grpo(train_grpo.parse_config([*base, "--rollout.env=guess", "--rollout.max_episode_tokens=8"]), 1)
+    cfg = train_grpo.parse_config([*base, "--rollout.env=retry", "--data.instruction= Just the number."])
+    assert episodes.make_env(cfg, {"question": "Q?", "target": "1"}).reset()[0]["content"] == "Q? Just the number."
     with pytest.raises(ConfigError, match=r"Guess\(problem, seed, \*\*\{'secret': 3\}\) failed"):
-        episodes.make_env(train_grpo.parse_config([*base, "--rollout.env={'name': 'guess', 'secret': 3}"]), {})
+        episodes.make_env(train_grpo.parse_config([*base, "--rollout.env={'name': 'guess', 'secret': 3}"]),
+                          {"question": "q"})
 
 
 # ---- token bookkeeping -----------------------------------------------------------------------------------------
@@ -208,8 +214,8 @@ def play(gen, path, env, questions, n=4, max_tokens=16, stop_every=2, temperatur
     tok = data.Tokenizer(path)
     if stop_every:
         tok.eos_token_ids = sorted({*tok.eos_token_ids, *range(262, 384, stop_every)})
-    cfg = NS(train=NS(seed=0), rollout=NS(**{**dict(env=env, max_turns=4, max_episode_tokens=120, max_env_chars=50,
-                                                    env_timeout_s=0.5), **rollout}))
+    limits = dict(env=env, max_turns=4, max_episode_tokens=120, max_env_chars=50, env_timeout_s=0.5)
+    cfg = NS(train=NS(seed=0), data=NS(instruction=""), rollout=NS(**{**limits, **rollout}))
     problems = [{"question": q, "target": "5"} for q in questions]
     for p in problems:
         p["prompt_ids"] = episodes.opening_ids(tok, episodes.make_env(cfg, p))
@@ -318,8 +324,9 @@ def test_episode_logprobs_on_smollm2_both_generators(smollm2, smollm2_vllm, monk
     monkeypatch.setitem(envs.BUILTIN, "echo", Echo)
     model = Transformer.from_pretrained(smollm2)
     for gen in (generator.make_generator("torch", smollm2, max_model_len=512, seed=0), smollm2_vllm):
-        tok, cfg, problems, groups, rec = play(gen, smollm2, "echo", ["Say hello in one word.", "Name a colour in one "
-                                               "word."], n=1, max_tokens=32, stop_every=0, max_episode_tokens=200, temperature=0.0)
+        questions = ["Say hello in one word.", "Name a colour in one word."]
+        tok, cfg, problems, groups, rec = play(gen, smollm2, "echo", questions, n=1, max_tokens=32, stop_every=0,
+                                               max_episode_tokens=200, temperature=0.0)
         logp, batch = trainer_logp(model, problems, groups, tok)
         diff = float(((logp - batch["gen_logp"]).abs() * batch["mask"]).max())
         assert diff <= 1e-4, (type(gen).__name__, diff)
@@ -329,11 +336,23 @@ def test_episode_logprobs_on_smollm2_both_generators(smollm2, smollm2_vllm, monk
 
 # ---- the GRPO loop with envs (subprocesses, as users launch it) -------------------------------------------------
 COLOCATED = ["--dist.generator_ranks=0", "--rollout.backend=torch", "--rollout.overlong_cache=0", "--eval.every=0",
-             "--rollout.max_tokens=16", "--rollout.max_episode_tokens=96", "--rollout.max_turns=3",
+             "--eval.num_problems=16", "--rollout.max_tokens=16", "--rollout.max_episode_tokens=96",
+             "--rollout.max_turns=3", "--rollout.prompts_per_step=8", "--rollout.group_size=4",
              "--rollout.rewards={'format': {'weight': 1.0, 'pattern': '[0-9]'}}"]  # a random model earns some reward
 
 
 TIMES = ("perf/", "sync/")  # wall-clock figures: the only keys two identical runs may disagree on
+
+
+@pytest.fixture
+def train(tmp_path, monkeypatch):
+    """train_grpo.main in this process, as bench/gpu.py runs it (a world of one, joined and left), for colocated runs:
+    no interpreter start and imports per run. The environment is restored after (dist.get_roles sets NCCL_*)."""
+    monkeypatch.chdir(ROOT)
+    saved = dict(os.environ)
+    yield lambda args: train_grpo.main(["configs/tiny.py", *args, f"--log.out_dir={tmp_path}"])
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def rows_of(path):
@@ -348,27 +367,26 @@ def check_episode_rows(rows):
 
 
 @pytest.mark.slow
-def test_grpo_with_each_builtin_env_colocated_exact_resume_and_single_turn_unchanged(tmp_path, tiny_ckpt):
+def test_grpo_with_each_builtin_env_colocated_exact_resume_and_single_turn_unchanged(tmp_path, tiny_ckpt, train):
     for env in sorted(envs.BUILTIN):  # two steps each; guess four, with a checkpoint at step 2 for the resume below
         steps = ["--train.steps=4", "--ckpt.every=2"] if env == "guess" else ["--train.steps=2"]
-        run([f"--model.path={tiny_ckpt}", *COLOCATED, *steps, f"--rollout.env={env}", f"--log.run={env}"], tmp_path,
-            nproc=0)
+        train([f"--model.path={tiny_ckpt}", *COLOCATED, *steps, f"--rollout.env={env}", f"--log.run={env}"])
         check_episode_rows(rows_of(tmp_path / env))
     # episodes are a pure function of (seed, step): resumed from step 2, steps 3-4 are played and trained again exactly
     shutil.copytree(tmp_path / "guess" / "ckpt" / "step_2", tmp_path / "guess2" / "ckpt" / "step_2")
-    run([f"--model.path={tiny_ckpt}", *COLOCATED, "--train.steps=4", "--rollout.env=guess", "--log.run=guess2",
-         "--ckpt.resume=auto"], tmp_path, nproc=0)
+    train([f"--model.path={tiny_ckpt}", *COLOCATED, "--train.steps=4", "--rollout.env=guess", "--log.run=guess2",
+           "--ckpt.resume=auto"])
     resumed = rows_of(tmp_path / "guess2")
     assert [r["step"] for r in resumed] == [3, 4]
     for a, b in zip(rows_of(tmp_path / "guess")[2:], resumed):
         assert {k: v for k, v in a.items() if not k.startswith(TIMES)} == \
             {k: v for k, v in b.items() if not k.startswith(TIMES)}
     # single-turn is the one-turn episode: an env that ends after the first reply logs exactly what no env logs
-    common = [f"--model.path={tiny_ckpt}", *COLOCATED, "--train.steps=3", "--eval.num_problems=16"]
-    run([*common, "--log.run=plain"], tmp_path, nproc=0)
-    run([*common, "--rollout.env=tests/_envs.py:Single", "--log.run=single"], tmp_path, nproc=0)
+    common = [f"--model.path={tiny_ckpt}", *COLOCATED, "--train.steps=2"]
+    train([*common, "--log.run=plain"])
+    train([*common, "--rollout.env=tests/_envs.py:Single", "--log.run=single"])
     plain, single = metrics(tmp_path / "plain" / "metrics.jsonl"), metrics(tmp_path / "single" / "metrics.jsonl")
-    assert len(plain) == len(single) == 4 and single[-1]["episode/done_frac"] + single[-1]["episode/length_frac"] == 1
+    assert len(plain) == len(single) == 3 and single[-1]["episode/done_frac"] + single[-1]["episode/length_frac"] == 1
     for a, b in zip(plain, single):
         same = {k: v for k, v in b.items() if not k.startswith((*TIMES, "episode/"))}
         assert {k: v for k, v in a.items() if not k.startswith(TIMES)} == same
@@ -381,7 +399,7 @@ def test_grpo_with_envs_on_a_dedicated_vllm_rank_with_refill_staleness_and_pass_
     rank) with DAPO refill, one batch ahead, and pass@k eval."""
     out = run([f"--model.path={tiny_ckpt}", *COLOCATED[2:], "--rollout.env=tests/_envs.py:Mixed", "--train.steps=3",
                "--rollout.filter_zero_std=true", "--rollout.refill_rounds=1", "--eval.pass_k=2",
-               "--rollout.max_staleness=1", "--eval.num_problems=16", "--log.run=a"], tmp_path)
+               "--rollout.max_staleness=1", "--log.run=a"], tmp_path)
     assert "generator rank 1: done, weight version 3 after 3 steps" in out.stdout + out.stderr
     rows = rows_of(tmp_path / "a")
     check_episode_rows(rows)

@@ -16,7 +16,7 @@ import torch
 
 import data
 import generator
-from conftest import GSM8K_DIR, ROOT
+from conftest import GSM8K_DIR, ROOT, export_greedy
 from model import Transformer
 
 pytestmark = pytest.mark.slow  # the real 135M model, its conversion and vLLM: not the unit tier
@@ -145,24 +145,9 @@ def check_grpo_run(run_dir):
 
 def check_export_in_vllm(export, tok, max_tokens=24):
     """vLLM reopens the export as-is; its greedy tokens equal the torch generator's on the trained weights."""
-    check = f"""
-import os, sys, json
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-sys.path.insert(0, {str(ROOT)!r})
-import data, generator
-path = {str(export)!r}
-tok = data.Tokenizer(path)
-prompts = [data.prompt_ids(tok, q) for q in {SHORT + ["Leo has 9 pens. He finds 8 more. How many pens now?"]!r}]
-t = generator.TorchGenerator(path, max_model_len=256)
-v = generator.VLLMGenerator(path, max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
-a = [g[0].token_ids for g in v.generate(prompts, temperature=0.0, max_tokens={max_tokens})]
-b = [g[0].token_ids for g in t.generate(prompts, temperature=0.0, max_tokens={max_tokens})]
-print(json.dumps({{"same": a == b, "vllm": a, "torch": b}}))
-"""
-    res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["same"], got
+    prompts = [data.prompt_ids(tok, q) for q in SHORT + ["Leo has 9 pens. He finds 8 more. How many pens now?"]]
+    vllm_ids, torch_ids = export_greedy(export, prompts, max_tokens)
+    assert vllm_ids == torch_ids, (vllm_ids, torch_ids)
 
 
 def test_grpo_colocated_with_reference_model(smollm2, tmp_path, tok):

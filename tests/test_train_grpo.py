@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import GSM8K_DIR, ROOT
+import data
+from conftest import GSM8K_DIR, ROOT, export_greedy
 
 pytestmark = pytest.mark.slow
 KEYS = ["rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollout/response_len", "loss/pg",
@@ -75,23 +76,10 @@ def test_hf_export_loads_in_vllm_and_matches(tmp_path, start_ckpt):
     rows = [r for r in metrics(tmp_path / "c" / "metrics.jsonl") if "perf/step_s" in r]
     assert len(rows) == 2 and all(math.isfinite(r["loss/entropy"]) for r in rows)
     # vLLM opens the export as-is and its greedy continuation equals the pure-torch generator's on it
-    check = f"""
-import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-sys.path.insert(0, {str(ROOT)!r})
-import data, generator
-path = {str(tmp_path / "c" / "hf")!r}
-tok = data.Tokenizer(path)
-prompts = [data.prompt_ids(tok, p["question"]) for p in data.make_arith(4, seed=5)]
-v = generator.VLLMGenerator(path, max_model_len=128, kv_cache_memory_bytes=16 << 20)
-t = generator.TorchGenerator(path, max_model_len=128)
-a = [g[0].token_ids for g in v.generate(prompts, temperature=0.0, max_tokens=12)]
-b = [g[0].token_ids for g in t.generate(prompts, temperature=0.0, max_tokens=12)]
-assert a == b, (a, b)
-print("SAME", len(a))
-"""
-    res = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
-    assert "SAME 4" in res.stdout, res.stderr[-3000:]
+    tok = data.Tokenizer(tmp_path / "c" / "hf")
+    vllm_ids, torch_ids = export_greedy(tmp_path / "c" / "hf", [data.prompt_ids(tok, p["question"])
+                                                                 for p in data.make_arith(4, seed=5)], max_tokens=12)
+    assert vllm_ids == torch_ids and len(vllm_ids) == 4
 
 
 def test_multinode_rendezvous_two_agents(tmp_path, start_ckpt):
@@ -182,16 +170,8 @@ def test_headline_command_at_its_own_size(tmp_path, start_ckpt, tp):
     # ranks share one stdout pipe, so another rank's output can land inside a line: match the phrase, not lines
     done = sorted(re.findall(r"generator rank (\d+): done, weight version (\d+) after (\d+) steps", res.stdout))
     assert done == [("6", "2", "2"), ("7", "2", "2")], res.stdout[-3000:]
-    check = f"""
-import os, sys
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-sys.path.insert(0, {str(ROOT)!r})
-import generator
-v = generator.VLLMGenerator({str(tmp_path / "gsm8k" / "hf")!r}, max_model_len=128, kv_cache_memory_bytes=16 << 20)
-print("OPENED", len(v.generate([[1, 2, 3]], temperature=0.0, max_tokens=4)[0][0].token_ids))
-"""
-    opened = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
-    assert opened.returncode == 0 and "OPENED" in opened.stdout, opened.stderr[-3000:]
+    vllm_ids, _ = export_greedy(tmp_path / "gsm8k" / "hf", [[1, 2, 3]], max_tokens=4, max_model_len=128)
+    assert len(vllm_ids[0]) == 4  # vLLM opens the export
 
 
 def test_bench_gpu_cpu_smoke():
