@@ -7,7 +7,7 @@ STAMP := .venv/.installed-$(HASH)
 # the optional extra (W&B, TensorBoard): not part of `make install`; the tests read both back, so `make test` adds it
 EXTRAS := .venv/.extras-$(shell cat requirements-extra.txt | sha256sum | cut -c1-16)
 
-.PHONY: test test-fast demo demo-real compare install extras model
+.PHONY: test test-fast demo demo-real demo-tools compare install extras model
 install: $(STAMP)
 
 $(STAMP): requirements-cpu.txt requirements-gpu.txt scripts/install.sh
@@ -40,3 +40,7 @@ model: $(STAMP)
 # GRPO on the real model (not in CI: measured 17.5 minutes on 2 cores, target under 30)
 demo-real: $(STAMP)
 	$(PY) scripts/demo_real.py
+
+# multi-turn GRPO with the calculator env on the real model, beside single-turn GRPO for the same time (not in CI)
+demo-tools: $(STAMP)
+	$(PY) scripts/demo_tools.py

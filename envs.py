@@ -6,7 +6,8 @@ Contract (text in, text out; an env never sees a token id):
     env.reset() -> list[message]           # the opening conversation: a pure function of (problem, seed)
     env.step(assistant_text) -> Step(messages, done, reward=None, info={})
 
-A message is {"role": "user" | "tool" | "system", "content": str}; the env's replies are never "assistant".
+A message is {"role": "user" | "tool" | "system", "content": str}; the env's replies are never "assistant" (the
+opening conversation may hold worked examples as assistant turns: they are prompt, never trained on).
 `step` receives the text of each sampled reply (special tokens stripped) and answers with the next messages, or
 done. An episode's scalar is `Step.reward` when the env gives one, plus `rollout.rewards` on the last reply
 (`math` scores it against `problem["target"]`, or against `env.target` where an env sets one: guess's secret).
@@ -89,14 +90,24 @@ CALC_PROMPT = ("You can use a calculator. Write <calc>expression</calc> and you 
                "with the number only.")
 
 
-class Calculator:
-    """One tool: <calc>expr</calc> -> <result>value</result> (or <error>why</error>); no call = the final answer."""
+# One worked episode in the opening conversation: told about the tool in the system prompt alone, SmolLM2-135M made
+# no call in 256 samples of 2-digit problems; shown this once, 77% of its greedy replies call it (23% at T=1).
+CALC_EXAMPLE = [{"role": "user", "content": "Mia has 38 shells. She finds 45 more. How many shells now?"},
+                {"role": "assistant", "content": "<calc>38+45</calc>"},
+                {"role": "user", "content": "<result>83</result>"},
+                {"role": "assistant", "content": "83"}]
 
-    def __init__(self, problem, seed=0, prompt=CALC_PROMPT):
-        self.problem, self.prompt = problem, prompt
+
+class Calculator:
+    """One tool: <calc>expr</calc> -> <result>value</result> (or <error>why</error>); no call = the final answer.
+    `example`: open with CALC_EXAMPLE, a worked episode (prompt, never trained on)."""
+
+    def __init__(self, problem, seed=0, prompt=CALC_PROMPT, example=True):
+        self.problem, self.prompt, self.example = problem, prompt, example
 
     def reset(self):
-        return [{"role": "system", "content": self.prompt}, {"role": "user", "content": self.problem["question"]}]
+        return [{"role": "system", "content": self.prompt}, *(CALC_EXAMPLE if self.example else []),
+                {"role": "user", "content": self.problem["question"]}]
 
     def step(self, text):
         call = re.search(r"<calc>(.*?)</calc>", text, re.DOTALL)

@@ -30,9 +30,12 @@ A truncated episode is scored like any other, on its last reply (usually 0): it 
 masking it would hide that from the gradient; when all G of a problem truncate, the group has no signal and shows
 in rollout/zero_std_frac. Env messages are cut to `rollout.max_env_chars`.
 
-Logged (`stats`, every step): turns and tool calls per episode, sampled tokens per episode, the share of each
-end, and the share of episodes whose ids differ from a fresh render of their messages (template drift or a BPE
-round-trip: a metric, not an error).
+Logged (`stats`, every step): turns and tool calls per episode, sampled (trained) tokens per episode, the share of
+each end, and the share of episodes whose ids differ from a fresh render of their messages (template drift or a
+BPE round-trip: a metric, not an error). rollout/response_len counts all of an episode's ids after the prompt.
+Cost: the update pads every row to the batch's longest episode, so a batch of mostly short episodes with a few
+long ones pays for the long ones (SmolLM2, 8 x 8, retry with 3 turns of <= 32 tokens: 1.3x the ids of single-turn,
+3.6x the update time); packing rows would remove that.
 Left out: per-turn rewards and advantages (one scalar per episode, one advantage over its G siblings), KV reuse
 across turns, templates that rewrite earlier turns (Qwen3's thinking; the prefix check refuses them).
 """
@@ -74,18 +77,17 @@ def make_env(cfg, problem):
         raise config.ConfigError(f"rollout.env: {cls.__name__}(problem, seed, **{kwargs}) failed: {e}") from None
 
 
-def valid_messages(messages):
+def valid_messages(messages, roles=("system", "user", "tool")):
     return isinstance(messages, list) and all(
-        isinstance(m, dict) and m.get("role") in ("system", "user", "tool") and isinstance(m.get("content"), str)
-        for m in messages)
+        isinstance(m, dict) and m.get("role") in roles and isinstance(m.get("content"), str) for m in messages)
 
 
 def opening_ids(tok, env):
     """The episode's prompt: the env's opening conversation with the assistant header (data.load_tasks' prompt_ids)."""
-    messages = env.reset()
-    if not valid_messages(messages) or not messages:
+    messages = env.reset()  # may hold worked examples as assistant turns: the prompt, never trained on
+    if not valid_messages(messages, ("system", "user", "tool", "assistant")) or not messages:
         raise ValueError(f"{type(env).__name__}.reset() must return a non-empty list of "
-                         f"{{'role': 'system' | 'user' | 'tool', 'content': str}}, got {messages!r:.200}")
+                         f"{{'role': 'system' | 'user' | 'assistant' | 'tool', 'content': str}}, got {messages!r:.200}")
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
 
 

@@ -34,6 +34,10 @@ prompts and sampling seeds are a pure function of (seed, step, k), so a resumed 
 rounds. If the cap is reached first, zero-signal groups fill the remaining slots and the trainer masks
 them out (DAPO's filter without the refill is `refill_rounds = 0`).
 
+Multi-turn (`rollout.env`): build_generator wraps the engine in episodes.MultiTurn, and generate_share plays whole
+episodes where it would sample completions; everything above (sharing, collection, refill, staleness, eval) is
+unchanged, and score adds each episode's env reward to the rewards of its last reply (episodes.py).
+
 Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), overlapping generation and
 training in colocated mode, and streaming or partial rollouts (a step's batch is collected whole). A run
 resumed at step s with staleness >= 1 samples batch s with the restored weights (version s, not s-1: the

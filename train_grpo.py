@@ -96,6 +96,7 @@ class Rollout:
     rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
                                     # math | think | format | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
     reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
+    reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
     env: str | dict = ""            # multi-turn (envs.py, episodes.py): calculator | retry | guess | "file.py:Class",
                                     # or {"name": ..., **kwargs}; "" = single-turn
     max_turns: int = 4              # multi-turn: sampled replies per episode at most
@@ -103,7 +104,6 @@ class Rollout:
                                     # played only if its whole max_tokens still fits
     max_env_chars: int = 1000       # multi-turn: each env message is cut to this many characters
     env_timeout_s: float = 2.0      # multi-turn: an env.step past this ends its episode as an error (scored 0)
-    reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
 
 
 @dataclass

@@ -42,7 +42,9 @@ def test_builtin_envs_follow_the_contract():
     p = {"question": "Ann has 23 pens. She buys 47 more. How many pens now?", "target": "70"}
     calc = envs.Calculator(p)
     opening = calc.reset()
-    assert [m["role"] for m in opening] == ["system", "user"] and "<calc>23*47</calc>" in opening[0]["content"]
+    assert [m["role"] for m in opening] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert "<calc>23*47</calc>" in opening[0]["content"] and opening[-1]["content"] == p["question"]
+    assert [m["role"] for m in envs.Calculator(p, example=False).reset()] == ["system", "user"]
     s = calc.step("Let me add. <calc>23 + 47</calc>")
     assert s == envs.Step([{"role": "user", "content": "<result>70</result>"}], done=False, info={"tool_call": True})
     s = calc.step("<calc>__import__('os')</calc>")  # refused with a reply, not an exception
