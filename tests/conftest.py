@@ -20,15 +20,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+OPENED = []  # the engines export_greedy made, alive until the session ends
+
+
 def export_greedy(path, prompts, max_tokens, max_model_len=256):
     """vLLM opens the checkpoint at `path` as-is (in this process, where vLLM is already imported: a subprocess
     would pay its import again); returns its and the pure-torch generator's greedy token ids for `prompts`."""
-    import gc
     from generator import TorchGenerator, VLLMGenerator
     v = VLLMGenerator(str(path), max_model_len=max_model_len, kv_cache_memory_bytes=32 << 20, max_num_seqs=8)
     a = [g[0].token_ids for g in v.generate(prompts, temperature=0.0, max_tokens=max_tokens)]
-    del v
-    gc.collect()
+    OPENED.append(v)  # not torn down mid-session: vLLM's teardown takes the process-wide state other engines run on
     b = [g[0].token_ids for g in TorchGenerator(path, max_model_len=max_model_len).generate(
         prompts, temperature=0.0, max_tokens=max_tokens)]
     return a, b

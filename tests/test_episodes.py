@@ -2,10 +2,10 @@
 accepts and a refusal on what it must not run; bridge-built ids against a full re-render of the same messages
 (tiny, SmolLM2 and Qwen2 templates); each episode's ids and mask against the replies the generator actually
 returned (recorded) and the env's messages; the trainer's logprobs on a whole episode against the generator's
-(torch and vLLM, tiny and SmolLM2); envs that raise, hang or return garbage end only their own episode."""
+(torch and vLLM; SmolLM2's is in test_real_model.py); envs that raise, hang or return garbage end only their own
+episode; GRPO runs with each env, colocated and with a vLLM rank, and single-turn as the one-turn episode."""
 import json
 import math
-import os
 import shutil
 import time
 
@@ -19,7 +19,6 @@ import episodes
 import generator
 import train_grpo
 from config import ConfigError
-from conftest import ROOT
 from model import Transformer
 from test_train_grpo import metrics, run
 from types import SimpleNamespace as NS
@@ -319,23 +318,6 @@ def test_episode_logprobs_vllm_generator(tiny_ckpt, vllm_engine, monkeypatch):
     assert multi >= 6
 
 
-@pytest.mark.slow
-def test_episode_logprobs_on_smollm2_both_generators(smollm2, smollm2_vllm, monkeypatch):
-    """The real model and tokenizer (its own eos only, ChatML bridges): SmolLM2's own greedy replies over three turns
-    (greedy: logp = log softmax(logits), the trainer's at temperature 1)."""
-    monkeypatch.setitem(envs.BUILTIN, "echo", Echo)
-    model = Transformer.from_pretrained(smollm2)
-    for gen in (generator.make_generator("torch", smollm2, max_model_len=512, seed=0), smollm2_vllm):
-        questions = ["Say hello in one word.", "Name a colour in one word."]
-        tok, cfg, problems, groups, rec = play(gen, smollm2, "echo", questions, n=1, max_tokens=32, stop_every=0,
-                                               max_episode_tokens=200, temperature=0.0)
-        logp, batch = trainer_logp(model, problems, groups, tok)
-        diff = float(((logp - batch["gen_logp"]).abs() * batch["mask"]).max())
-        assert diff <= 1e-4, (type(gen).__name__, diff)
-        assert all(c.metadata["turns"] > 1 for g in groups for c in g)  # the bridges were crossed
-        print(type(gen).__name__, "max |dlogp|", diff, [c.metadata["turns"] for g in groups for c in g])
-
-
 # ---- the GRPO loop with envs (subprocesses, as users launch it) -------------------------------------------------
 COLOCATED = ["--dist.generator_ranks=0", "--rollout.backend=torch", "--rollout.overlong_cache=0", "--eval.every=0",
              "--eval.num_problems=16", "--rollout.max_tokens=16", "--rollout.max_episode_tokens=96",
@@ -347,14 +329,10 @@ TIMES = ("perf/", "sync/")  # wall-clock figures: the only keys two identical ru
 
 
 @pytest.fixture
-def train(tmp_path, monkeypatch):
-    """train_grpo.main in this process, as bench/gpu.py runs it (a world of one, joined and left), for colocated runs:
-    no interpreter start and imports per run. The environment is restored after (dist.get_roles sets NCCL_*)."""
-    monkeypatch.chdir(ROOT)
-    saved = dict(os.environ)
-    yield lambda args: train_grpo.main(["configs/tiny.py", *args, f"--log.out_dir={tmp_path}"])
-    os.environ.clear()
-    os.environ.update(saved)
+def train(tmp_path):
+    """A colocated run, as users launch it (plain python; not train_grpo.main in this process: the session's vLLM
+    engines have initialised torch.distributed here)."""
+    return lambda args: run(args, tmp_path, nproc=0)
 
 
 def rows_of(path):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import data
+import envs
 import generator
 from conftest import GSM8K_DIR, ROOT, export_greedy
 from model import Transformer
@@ -109,6 +110,24 @@ def test_vllm_and_torch_generator_agree_greedy(smollm2, smollm2_vllm, ours, tok)
     assert all(len(g[0].token_ids) == 64 for g in out_t[:8])  # GSM8K answers are longer than 64 tokens
     for g in out_t[8:] + out_v[8:]:  # the short answers end on <|im_end|>, which is kept
         assert g[0].finish_reason == "stop" and g[0].token_ids[-1] == 2 == tok.eos_token_id
+
+
+def test_episode_logprobs_on_smollm2_both_generators(smollm2, smollm2_vllm, ours, monkeypatch):
+    """Multi-turn episodes (episodes.py) on the real model and tokenizer (its own eos only, ChatML bridges):
+    SmolLM2's own greedy replies over three turns (greedy: logp = log softmax(logits), the trainer's at temperature 1).
+    Here, beside the other users of the session's SmolLM2 engine: vLLM's teardown of another engine in between (a
+    module's fixtures) would take the process-wide parallel state this one runs on."""
+    from test_episodes import Echo, play, trainer_logp
+    monkeypatch.setitem(envs.BUILTIN, "echo", Echo)
+    for gen in (generator.make_generator("torch", smollm2, max_model_len=512, seed=0), smollm2_vllm):
+        questions = ["Say hello in one word.", "Name a colour in one word."]
+        tok, cfg, problems, groups, rec = play(gen, smollm2, "echo", questions, n=1, max_tokens=32, stop_every=0,
+                                               max_episode_tokens=200, temperature=0.0)
+        logp, batch = trainer_logp(ours, problems, groups, tok)
+        diff = float(((logp - batch["gen_logp"]).abs() * batch["mask"]).max())
+        assert diff <= 1e-4, (type(gen).__name__, diff)
+        assert all(c.metadata["turns"] > 1 for g in groups for c in g)  # the bridges were crossed
+        print(type(gen).__name__, "max |dlogp|", diff, [c.metadata["turns"] for g in groups for c in g])
 
 
 # ---- end to end: the real commands, tiny batches -------------------------------------------------------------
