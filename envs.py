@@ -18,9 +18,9 @@ face the same secret. Token ids, the trainable mask, logprobs and every limit (t
 time per step, an env that raises) are the rollout's business (episodes.py), not the env's.
 
 Built-ins, each a few lines of what it teaches:
-- `Calculator`: a tool call. The system prompt shows `<calc>23*47</calc>` once; the env answers
-  `<result>1081</result>`, computed by `arith`, a whitelisted `ast` evaluator (never eval). A reply without a
-  call is the final answer.
+- `Calculator`: a tool call. The system prompt shows `<calc>23*47</calc>` once and the opening conversation holds
+  one worked episode (CALC_EXAMPLE); the env answers `<result>1081</result>`, computed by `arith`, a whitelisted
+  `ast` evaluator (never eval). A reply without a call is the final answer.
 - `Retry`: learning from feedback. A wrong answer gets "Wrong, try again." up to `attempts` tries; a right one
   earns `discount ** (attempt - 1)`.
 - `Guess`: a game with state. Guess the number in [low, high] from higher/lower hints; a win on guess g earns
