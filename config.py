@@ -33,12 +33,9 @@ def _check(section, name, value, typ):
             return None
         typ = next(a for a in args if a is not type(None))
     if str in args and len(args) > 1:  # `str | dict` (rollout.env): a CLI string is a dict only if it reads as one
-        if isinstance(value, str) and value.lstrip().startswith("{"):
-            typ = next(a for a in args if a is not str)
-        elif isinstance(value, args):
-            return value
-        else:
-            typ = str
+        if not (isinstance(value, str) and value.lstrip().startswith("{")):
+            return value if isinstance(value, args) else _check(section, name, value, str)
+        typ = next(a for a in args if a is not str)
     if isinstance(value, str) and typ is not str:
         try:
             value = value.lower() == "true" if typ is bool and value.lower() in ("true", "false") \
