@@ -92,7 +92,7 @@ def grpo(cfg, world_size):
         ("log.run", bool(c.log.run), "a non-empty name"),
         ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1, ">= 0 (0: every step), -1 never")])
     outside_world(cfg)
-    rollout.reward_specs(cfg.rollout.rewards)  # every named reward imports
+    rollout.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
     if cfg.rollout.env and cfg.rollout.overlong_cache:  # it reads one reply's length; an episode holds several
         raise err(f"rollout.overlong_cache={cfg.rollout.overlong_cache}: DAPO's overlong shaping is single-turn; "
@@ -186,16 +186,16 @@ def _looks_local(source):
 
 
 def check_data(d):
-    """A dataset is "arith", "gsm8k" or a user's loader "module:function" / "file.py:function" (it imports); a source
+    """A dataset is "arith", "code", "gsm8k" or a user's loader "module:function" / "file.py:function" (it imports); a source
     that names a local file or directory exists (a hub name is not checked: it is downloaded when loaded)."""
-    if d.name not in ("arith", "gsm8k") and ":" not in d.name:
-        raise config.ConfigError(f"data.name={d.name!r} must be arith, gsm8k, or a loader 'package.module:function' "
+    if d.name not in ("arith", "code", "gsm8k") and ":" not in d.name:
+        raise config.ConfigError(f"data.name={d.name!r} must be arith, code, gsm8k, or a loader 'package.module:function' "
                                  "/ 'path/to/file.py:function' returning {question, solution, target} records")
     if ":" in d.name:
         run.load_object(d.name, "data.name")
     for field in ("source", "eval_source"):
         source = getattr(d, field)
-        if d.name != "arith" and source and _looks_local(source) and not Path(source).exists():
+        if d.name not in ("arith", "code") and source and _looks_local(source) and not Path(source).exists():
             raise config.ConfigError(f"data.{field}: no such file or directory: {source}")
 
 

@@ -319,6 +319,59 @@ def make_arith(n: int, seed: int, min_digits: int = 1, max_digits: int = 2, excl
     return out
 
 
+# The embedded code task: a one-line spec, a function f(x), tests the program never sees (rewards.CodeReward).
+# Each spec: (text, reference, the solution's body, the input kind); a, b are drawn per problem.
+CODE_SPECS = [
+    ("returns {a} times x plus {b}", lambda a, b: lambda x: a * x + b, "{a} * x + {b}", "int"),
+    ("returns x squared minus {b}", lambda a, b: lambda x: x * x - b, "x * x - {b}", "int"),
+    ("returns x modulo {a} plus {b}", lambda a, b: lambda x: x % a + b, "x % {a} + {b}", "int"),
+    ("returns the sum of the digits of the non-negative integer x", lambda a, b: lambda x: sum(map(int, str(x))),
+     "sum(int(d) for d in str(x))", "int"),
+    ("returns True if x is divisible by {a}, else False", lambda a, b: lambda x: x % a == 0, "x % {a} == 0", "int"),
+    ("returns the largest number in the list x", lambda a, b: max, "max(x)", "list"),
+    ("returns the list x reversed", lambda a, b: lambda x: x[::-1], "x[::-1]", "list"),
+    ("returns the sum of the even numbers in the list x", lambda a, b: lambda x: sum(v for v in x if v % 2 == 0),
+     "sum(v for v in x if v % 2 == 0)", "list"),
+    ("returns how many numbers in the list x are greater than {b}", lambda a, b: lambda x: sum(v > b for v in x),
+     "sum(v > {b} for v in x)", "list"),
+    ("returns the list x with {b} added to every number", lambda a, b: lambda x: [v + b for v in x],
+     "[v + {b} for v in x]", "list"),
+    ("returns the list x with every number multiplied by {a}", lambda a, b: lambda x: [v * a for v in x],
+     "[v * {a} for v in x]", "list"),
+    ("returns the string x in upper case", lambda a, b: str.upper, "x.upper()", "str"),
+    ("returns the string x repeated {a} times", lambda a, b: lambda x: x * a, "x * {a}", "str"),
+    ("returns how many times the letter 'a' appears in the string x", lambda a, b: lambda x: x.count("a"),
+     "x.count('a')", "str"),
+]
+
+
+def make_code(n: int, seed: int, tests: int = 4, exclude=()) -> list[dict]:
+    """n problems {question, solution, target}; target = JSON {"fn": "f", "tests": [[[x], f(x)], ...]}. A pure
+    function of the arguments, like make_arith."""
+    rng, excluded, out, tries = random.Random(seed), {e["question"] if isinstance(e, dict) else e for e in exclude}, [], 0
+    draw = {"int": lambda: rng.randint(0, 99), "list": lambda: [rng.randint(-9, 20) for _ in range(rng.randint(1, 6))],
+            "str": lambda: "".join(rng.choice("abcdeab") for _ in range(rng.randint(1, 6)))}
+    while len(out) < n:
+        text, ref, body, kind = rng.choice(CODE_SPECS)
+        a, b = rng.randint(2, 12), rng.randint(1, 40)
+        question = (f"Write a Python function f(x) that {text.format(a=a, b=b)}. "
+                    "Reply with the function in a ```python code block.")
+        f = ref(a, b)
+        for _ in range(20):  # tests that one constant answer would pass are redrawn
+            inputs = [draw[kind]() for _ in range(tests)]
+            if len({json.dumps(f(x)) for x in inputs}) > 1:
+                break
+        tries += 1
+        if tries > 100 * n + 1000:
+            raise ValueError(f"could not draw {n} distinct code problems ({len(out)} found): {len(CODE_SPECS)} specs")
+        if question in excluded:
+            continue
+        excluded.add(question)  # every question once: the eval set and the train set never share one
+        out.append({"question": question, "solution": f"```python\ndef f(x):\n    return {body.format(a=a, b=b)}\n```",
+                    "target": json.dumps({"fn": "f", "tests": [[[x], f(x)] for x in inputs]})})
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The tiny tokenizer and checkpoint
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ Built-ins, each a few lines of what it teaches:
   earns `discount ** (attempt - 1)`.
 - `Guess`: a game with state. Guess the number in [low, high] from higher/lower hints; a win on guess g earns
   1 - cost * (g - 1). Random guessing already wins some, so there is signal from the first step.
+- `Python`: code as a tool. `<python>print(23*47)</python>` runs in the sandbox (sandbox.py: its own process,
+  user, network and filesystem view, killed at its limit) and `<output>1081</output>` comes back, truncated.
 Left out: tool schemas in the chat template (SmolLM2's ignores `tools`; the prompt teaches the call), several
 tools per env, async envs.
 """
@@ -165,4 +167,33 @@ class Guess:
         return Step([{"role": "user", "content": hint}], done=False)
 
 
-BUILTIN = {"calculator": Calculator, "retry": Retry, "guess": Guess}  # names for rollout.env
+PY_PROMPT = ("You can run Python. Write <python>code</python> and you get <output>what it printed</output>. "
+             "When you are done, reply without a <python> call.")
+
+
+class Python:
+    """A Python interpreter as a tool: the code between <python> tags runs in the sandbox (sandbox.py, never in
+    this process) and its stdout and stderr come back cut to `max_chars`; a reply without a call is the final
+    answer. `tag=""` runs every reply (raw-code policies; ends by max_turns). Keep rollout.env_timeout_s above
+    `timeout_s` plus the sandbox's ~0.1 s start."""
+
+    def __init__(self, problem, seed=0, timeout_s=1.0, memory_mb=256, max_chars=400, tag="python", prompt=PY_PROMPT):
+        self.problem, self.timeout_s, self.memory_mb, self.max_chars = problem, timeout_s, memory_mb, max_chars
+        self.tag, self.prompt = tag, prompt
+
+    def reset(self):
+        return [{"role": "system", "content": self.prompt}, {"role": "user", "content": self.problem["question"]}]
+
+    def step(self, text):
+        import sandbox
+        call = re.search(rf"<{self.tag}>(.*?)</{self.tag}>", text, re.DOTALL) if self.tag else [text, text]
+        if call is None:
+            return Step([], done=True)
+        r = sandbox.run(call[1], timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output=4 * self.max_chars)
+        out = (r.stdout + r.stderr[-self.max_chars // 2:])[-self.max_chars:]
+        status = "" if r.status == "ok" else f" ({r.status})"
+        return Step([{"role": "user", "content": f"<output>{out}</output>{status}"}], done=False,
+                    info={"tool_call": True, "sandbox": r.status})
+
+
+BUILTIN = {"calculator": Calculator, "retry": Retry, "guess": Guess, "python": Python}  # names for rollout.env

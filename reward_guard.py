@@ -179,7 +179,7 @@ def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0,
     """Weighted total per sample, plus per reward its mean and failure counts.
     reward_fns {name: callable}; weights {name: float} (missing -> 1.0); pool: a RewardPool over the
     same reward_fns, or None to run here. -> (scores list[float], stats dict), and with `per_reward` a third:
-    {name: each sample's unweighted score} (the trainer's accuracy is the "math" one's)."""
+    {name: each sample's unweighted score} (the trainer's accuracy is rollout.accuracy's)."""
     names, n = list(reward_fns), len(responses)
     jobs = [(k, p, r, t) for k in names for p, r, t in zip(prompts, responses, targets)]
     if pool is not None:

@@ -14,6 +14,9 @@ Contract: a reward is any picklable callable `reward(prompt: str, response: str,
   required) but the target number appears in the response (torchforge's rule).
 - ThinkingReward: 1.0 for a non-empty `<think>...</think>`, `partial_credit` for a malformed try.
 - FormatReward: 1.0 if a regex matches.  WeightedReward: sum_k w_k * r_k as one reward.
+- CodeReward: the response's last fenced Python block, run in the sandbox (sandbox.py) against the problem's
+  tests; the fraction of tests passed, or 1.0 only when all pass. The target is JSON {"fn": name, "tests":
+  [[args, expected], ...]}; the program is called with the args and never sees the expected outputs.
 
 Cheap by construction (a reward runs B*G times a step): only the last `tail_chars` (8 KB) of a response
 are read, braces are matched in one linear pass, no regex can backtrack badly, number tokens longer than
@@ -22,9 +25,10 @@ symbolic fallback (sympy can spin on `10^{10^{10^{10}}}`) runs only on short str
 towers or factorials, and under reward_guard.time_limit (without a timer, e.g. in a thread, it is
 skipped rather than run unbounded). Whatever a reward still does wrong (raise, hang, return NaN) is
 reward_guard.py's business: the trainer calls every reward through it.
-Left out: code-execution sandboxes, LLM judges, multiple-choice and string-answer heuristics.
+Left out: LLM judges, multiple-choice and string-answer heuristics.
 """
 
+import json
 import math
 import re
 from decimal import Decimal
@@ -216,4 +220,28 @@ class WeightedReward:
                    for k, fn in self.fns.items())
 
 
-BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward}  # names for rollout.rewards
+_FENCE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
+
+
+class CodeReward:
+    """Tests passed by the last ```python block (`mode` "fraction" or "all"); no block scores 0.0 without running
+    anything. `fenced=False` runs the whole response (for raw-code completions). Each response is one sandbox run
+    of at most `timeout_s` (keep rollout.reward_timeout_s above it: the run's start-up adds ~0.1 s)."""
+
+    def __init__(self, mode="fraction", timeout_s=1.0, memory_mb=256, fenced=True):
+        assert mode in ("fraction", "all"), mode
+        self.mode, self.timeout_s, self.memory_mb, self.fenced = mode, timeout_s, memory_mb, fenced
+
+    def __call__(self, prompt, response, target):
+        import sandbox  # here, not at the top: only code runs pay the isolation probe
+        spec = json.loads(target)
+        blocks = _FENCE_RE.findall(response) if self.fenced else [response]
+        if not blocks:
+            return 0.0
+        got, _ = sandbox.call_tests(blocks[-1], spec["fn"], [args for args, _ in spec["tests"]],
+                                    timeout_s=self.timeout_s, memory_mb=self.memory_mb)
+        passed = sum(g == want for g, (_, want) in zip(got or [], spec["tests"]))
+        return passed / len(spec["tests"]) if self.mode == "fraction" else float(passed == len(spec["tests"]))
+
+
+BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward, "code": CodeReward}  # names for rollout.rewards

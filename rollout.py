@@ -67,7 +67,10 @@ import weight_sync
 def load_tasks(cfg, tok):
     """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
     too-long prompts dropped or truncated (data.long_prompts), counted."""
-    if cfg.data.name == "arith":
+    if cfg.data.name == "code":  # every question distinct; the held-out ones are drawn first
+        held_out = data.make_code(cfg.eval.num_problems, seed=10_000 + cfg.train.seed)
+        train = data.make_code(1000, seed=cfg.train.seed, exclude=held_out)
+    elif cfg.data.name == "arith":
         held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
                                    min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
         train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
@@ -256,13 +259,13 @@ def collect(local, num_problems):
     return groups, gen_s
 
 
-def reward_specs(entries):
+def reward_specs(entries, accuracy="math"):
     """`rollout.rewards` -> [(name, factory, kwargs, weight)]. A key is a built-in (rewards.BUILTIN) or
     "package.module:Name" / "path/to/file.py:Name" (a class, instantiated with the kwargs, or a function); a value
-    is its weight, or {"weight": w, **kwargs}. "math" is always there, with weight 0 unless listed: it is the
-    accuracy metric whatever else is summed. Imports only (the config check); make_rewards instantiates."""
+    is its weight, or {"weight": w, **kwargs}. `accuracy` ("math" unless rollout.accuracy says) is always there,
+    with weight 0 unless listed: it is the accuracy metric whatever else is summed. Imports only (the config check); make_rewards instantiates."""
     specs = []
-    for key, value in {**entries, "math": entries.get("math", 0.0)}.items():
+    for key, value in {**entries, accuracy: entries.get(accuracy, 0.0)}.items():
         kwargs = dict(value) if isinstance(value, dict) else {"weight": value}
         weight, field = kwargs.pop("weight", 1.0), f"rollout.rewards[{key!r}]"
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
@@ -280,7 +283,7 @@ def reward_specs(entries):
 def make_rewards(cfg):
     """({name: callable}, {name: weight}), each reward instantiated once, here (picklable for RewardPool)."""
     fns, weights = {}, {}
-    for name, factory, kwargs, weight in reward_specs(cfg.rollout.rewards):
+    for name, factory, kwargs, weight in reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy):
         try:
             fns[name] = factory(**kwargs) if isinstance(factory, type) else \
                 functools.partial(factory, **kwargs) if kwargs else factory
@@ -293,7 +296,7 @@ def make_rewards(cfg):
 
 
 def score(groups, problems, reward_fns, weights, cfg, pool=None):
-    """Rewards (B, G) of this rank's groups: the weighted total, and the "math" component (correctness)."""
+    """Rewards (B, G) of this rank's groups: the weighted total, and the accuracy reward's part (correctness)."""
     prompts, responses, targets, ends = [], [], [], []
     for p, comps in zip(problems, groups):
         for c in comps:
@@ -301,13 +304,14 @@ def score(groups, problems, reward_fns, weights, cfg, pool=None):
             responses.append(c.text)  # a multi-turn episode's last reply, against the env's target if it has one
             targets.append(c.metadata.get("target") or str(p["target"]))
             ends.append((c.metadata.get("end"), c.metadata.get("env_reward")))
+    acc = cfg.rollout.accuracy
     total, stats, parts = reward_guard.score_batch(reward_fns, weights, prompts, responses, targets,
                                                    timeout_s=cfg.rollout.reward_timeout_s, pool=pool, per_reward=True)
     if cfg.rollout.env:  # an episode scores the env's reward plus the rewards on its last reply; an env error 0
         total = [0.0 if end == "error" else t + (env_r or 0.0) for t, (end, env_r) in zip(total, ends)]
-        parts["math"] = [0.0 if end == "error" else m for m, (end, _) in zip(parts["math"], ends)]
+        parts[acc] = [0.0 if end == "error" else m for m, (end, _) in zip(parts[acc], ends)]
     view = lambda x: torch.tensor(x, dtype=torch.float32).view(len(groups), -1)  # noqa: E731
-    return view(total), view(parts["math"]), stats
+    return view(total), view(parts[acc]), stats
 
 
 def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_trainer=True):
@@ -323,11 +327,11 @@ def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_t
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
     if not is_trainer:
         return None
-    math_only = {"math": reward_fns["math"]}
-    _, r, _ = score(greedy, held_out, math_only, None, cfg)
+    acc_only = {cfg.rollout.accuracy: reward_fns[cfg.rollout.accuracy]}
+    _, r, _ = score(greedy, held_out, acc_only, None, cfg)
     out = {"eval/pass@1": float((r >= 1).float().mean())}
     if cfg.eval.pass_k:
-        _, rk, _ = score(sampled, held_out, math_only, None, cfg)
+        _, rk, _ = score(sampled, held_out, acc_only, None, cfg)
         out[f"eval/pass@{cfg.eval.pass_k}"] = float((rk >= 1).any(dim=1).float().mean())
     return out
 
@@ -368,7 +372,7 @@ def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped
     """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
     statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
     row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
-           "rollout/accuracy": float((correct >= 1).float().mean()),  # the "math" reward, whatever else is summed
+           "rollout/accuracy": float((correct >= 1).float().mean()),  # rollout.accuracy's reward, whatever else is summed
            "rollout/response_len": float(lengths.mean()),
            "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
                                            / lengths.numel()),

@@ -64,7 +64,7 @@ class Model:
 
 @dataclass
 class Data:
-    name: str = "arith"             # arith (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
+    name: str = "arith"             # arith | code (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
     source: str = "openai/gsm8k"    # train split: hub name or local .jsonl/.parquet (gsm8k); any string (own loader)
     eval_source: str = ""           # held-out split: "" = `source` with split "test"
     instruction: str = ""           # appended to every gsm8k question (e.g. "put the answer in \\boxed{}")
@@ -94,7 +94,8 @@ class Rollout:
                                     # B groups have 0 < std (0 = drop only; the rest is masked out if the cap hits)
     overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
     rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
-                                    # math | think | format | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
+                                    # math | think | format | code | "pkg.module:Name" | "path/file.py:Name" (rollout.py)
+    accuracy: str = "math"          # the reward whose 1.0 is "correct": rollout/accuracy and eval pass@k (code: "code")
     reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
     reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
     env: str | dict = ""            # multi-turn (envs.py, episodes.py): calculator | retry | guess | "file.py:Class",

@@ -66,7 +66,7 @@ class Model:
 
 @dataclass
 class Data:
-    name: str = "arith"             # arith (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
+    name: str = "arith"             # arith | code (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
     source: str = "openai/gsm8k"    # train split: hub name or local .jsonl/.parquet (gsm8k); any string (own loader)
     eval_source: str = ""           # held-out split: "" = `source` with split "test"
     instruction: str = ""           # appended to every question
@@ -152,6 +152,10 @@ def load_tasks(cfg):
                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
         grpo_test = data.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
         return None, held_out, {p["question"] for p in held_out + grpo_test}
+    if cfg.data.name == "code":  # GRPO's held-out problems (seed 10_000 + seed) stay out of SFT's data too
+        held_out = data.make_code(cfg.eval.num_problems, seed=20_000 + cfg.train.seed)
+        grpo_test = data.make_code(200, seed=10_000 + cfg.train.seed)
+        return data.make_code(1000, seed=cfg.train.seed, exclude=held_out + grpo_test), held_out, set()
     held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
     return run.load_split(cfg.data, cfg.data.source, "train"), held_out, set()
 
@@ -192,7 +196,8 @@ def evaluate(model, gen, dev_batch, held_out, cfg, device):
                    for i in rows[::cfg.train.micro_batch]) / float(dev_batch["mask"].sum())
     groups = gen.generate([p["prompt_ids"] for p in held_out], n=1, temperature=0.0,
                           max_tokens=cfg.eval.max_tokens, seed=0)
-    scores, _ = reward_guard.score_batch({"math": rewards.MathReward(symbolic=False)}, None,
+    check = rewards.CodeReward(mode="all") if cfg.data.name == "code" else rewards.MathReward(symbolic=False)
+    scores, _ = reward_guard.score_batch({"correct": check}, None,
                                     [p["question"] for p in held_out], [g[0].text for g in groups],
                                     [str(p["target"]) for p in held_out], timeout_s=2.0)
     return {"sft/eval_loss": loss, "eval/pass@1": sum(s >= 1 for s in scores) / len(scores),
