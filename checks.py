@@ -186,11 +186,12 @@ def _looks_local(source):
 
 
 def check_data(d):
-    """A dataset is "arith", "code", "gsm8k" or a user's loader "module:function" / "file.py:function" (it imports); a source
-    that names a local file or directory exists (a hub name is not checked: it is downloaded when loaded)."""
+    """A dataset is "arith", "code", "gsm8k" or a user's loader "module:function" / "file.py:function" (it imports);
+    a source that names a local file or directory exists (a hub name is not checked: it is downloaded when loaded)."""
     if d.name not in ("arith", "code", "gsm8k") and ":" not in d.name:
-        raise config.ConfigError(f"data.name={d.name!r} must be arith, code, gsm8k, or a loader 'package.module:function' "
-                                 "/ 'path/to/file.py:function' returning {question, solution, target} records")
+        raise config.ConfigError(f"data.name={d.name!r} must be arith, code, gsm8k, or a loader "
+                                 "'package.module:function' / 'path/to/file.py:function' returning {question, "
+                                 "solution, target} records")
     if ":" in d.name:
         run.load_object(d.name, "data.name")
     for field in ("source", "eval_source"):

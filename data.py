@@ -347,13 +347,13 @@ CODE_SPECS = [
 
 def make_code(n: int, seed: int, tests: int = 4, exclude=()) -> list[dict]:
     """n problems {question, solution, target}; target = JSON {"fn": "f", "tests": [[[x], f(x)], ...]}. A pure
-    function of the arguments, like make_arith."""
+    function of the arguments, like make_arith; `exclude`: questions (or records) never drawn, e.g. the eval set."""
     rng, excluded, out, tries = random.Random(seed), {e["question"] if isinstance(e, dict) else e for e in exclude}, [], 0
     draw = {"int": lambda: rng.randint(0, 99), "list": lambda: [rng.randint(-9, 20) for _ in range(rng.randint(1, 6))],
             "str": lambda: "".join(rng.choice("abcdeab") for _ in range(rng.randint(1, 6)))}
     while len(out) < n:
         text, ref, body, kind = rng.choice(CODE_SPECS)
-        a, b = rng.randint(2, 12), rng.randint(1, 40)
+        a, b = rng.randint(2, 12), rng.randint(1, 99)
         question = (f"Write a Python function f(x) that {text.format(a=a, b=b)}. "
                     "Reply with the function in a ```python code block.")
         f = ref(a, b)
@@ -364,9 +364,8 @@ def make_code(n: int, seed: int, tests: int = 4, exclude=()) -> list[dict]:
         tries += 1
         if tries > 100 * n + 1000:
             raise ValueError(f"could not draw {n} distinct code problems ({len(out)} found): {len(CODE_SPECS)} specs")
-        if question in excluded:
+        if question in excluded:  # a question may repeat within a set (new tests), never across `exclude`
             continue
-        excluded.add(question)  # every question once: the eval set and the train set never share one
         out.append({"question": question, "solution": f"```python\ndef f(x):\n    return {body.format(a=a, b=b)}\n```",
                     "target": json.dumps({"fn": "f", "tests": [[[x], f(x)] for x in inputs]})})
     return out

@@ -244,4 +244,5 @@ class CodeReward:
         return passed / len(spec["tests"]) if self.mode == "fraction" else float(passed == len(spec["tests"]))
 
 
-BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward, "code": CodeReward}  # names for rollout.rewards
+BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward,  # names for rollout.rewards
+           "code": CodeReward}

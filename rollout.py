@@ -67,7 +67,7 @@ import weight_sync
 def load_tasks(cfg, tok):
     """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
     too-long prompts dropped or truncated (data.long_prompts), counted."""
-    if cfg.data.name == "code":  # every question distinct; the held-out ones are drawn first
+    if cfg.data.name == "code":  # the held-out questions are drawn first and never trained on
         held_out = data.make_code(cfg.eval.num_problems, seed=10_000 + cfg.train.seed)
         train = data.make_code(1000, seed=cfg.train.seed, exclude=held_out)
     elif cfg.data.name == "arith":
@@ -263,7 +263,8 @@ def reward_specs(entries, accuracy="math"):
     """`rollout.rewards` -> [(name, factory, kwargs, weight)]. A key is a built-in (rewards.BUILTIN) or
     "package.module:Name" / "path/to/file.py:Name" (a class, instantiated with the kwargs, or a function); a value
     is its weight, or {"weight": w, **kwargs}. `accuracy` ("math" unless rollout.accuracy says) is always there,
-    with weight 0 unless listed: it is the accuracy metric whatever else is summed. Imports only (the config check); make_rewards instantiates."""
+    with weight 0 unless listed: it is the accuracy metric whatever else is summed. Imports only (the config
+    check); make_rewards instantiates."""
     specs = []
     for key, value in {**entries, accuracy: entries.get(accuracy, 0.0)}.items():
         kwargs = dict(value) if isinstance(value, dict) else {"weight": value}
@@ -372,7 +373,7 @@ def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped
     """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the rollout
     statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
     row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
-           "rollout/accuracy": float((correct >= 1).float().mean()),  # rollout.accuracy's reward, whatever else is summed
+           "rollout/accuracy": float((correct >= 1).float().mean()),  # rollout.accuracy's, whatever else is summed
            "rollout/response_len": float(lengths.mean()),
            "rollout/truncated_frac": float(sum(c.finish_reason == "length" for cs in groups for c in cs)
                                            / lengths.numel()),

@@ -100,7 +100,8 @@ def _wrap(cmd, ns):
     return (NOBODY if os.geteuid() == 0 else []) + (UNSHARE if ns else []) + cmd
 
 
-PROBE = "import socket, sys\nprint(sys.prefix)\ntry:\n socket.create_connection(('127.0.0.1', 9), 1)\nexcept OSError as e:\n print(e.errno)"
+PROBE = ("import socket, sys\nprint(sys.prefix)\ntry:\n socket.create_connection(('127.0.0.1', 9), 1)\n"
+         "except OSError as e:\n print(e.errno)")
 
 
 @lru_cache(maxsize=1)

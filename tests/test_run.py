@@ -80,7 +80,7 @@ def test_model_path_typo_creates_nothing(tmp_path):
     (["--data.name=gsm8k", "--data.source=missing.jsonl"], "data.source: no such file or directory: missing.jsonl"),
     (["--data.name=gsm8k", f"--data.source={GSM8K_DIR}", "--data.eval_source=nope/test.jsonl"],
      "data.eval_source: no such file or directory: nope/test.jsonl"),
-    (["--data.name=gsm9k"], "data.name='gsm9k' must be arith, gsm8k, or a loader"),
+    (["--data.name=gsm9k"], "data.name='gsm9k' must be arith, code, gsm8k, or a loader"),
     (["--data.name=no_such_module:load"], "data.name: cannot load 'no_such_module:load' (ModuleNotFoundError"),
     (["--rollout.rewards={'mth': 1.0}"], "rollout.rewards['mth']: unknown reward (did you mean 'math'?)"),
     (["--rollout.rewards={'json:dumps': 'x'}"], "rollout.rewards['json:dumps']: the weight must be a number"),

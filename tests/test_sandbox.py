@@ -139,7 +139,9 @@ def test_pool_runs_at_most_workers_at_a_time():
 # ---- the code reward and the embedded task ------------------------------------------------------------------------
 def test_code_reward_scores_reference_solutions_and_never_shows_the_tests():
     problems = data.make_code(60, seed=3)
-    assert data.make_code(20, seed=3) == problems[:20] and len({p["question"] for p in problems}) == 60
+    assert data.make_code(20, seed=3) == problems[:20]
+    train = data.make_code(1000, seed=4, exclude=problems)
+    assert not {p["question"] for p in train} & {p["question"] for p in problems}
     assert len({p["question"].split(" that ")[1].split(".")[0].split(" ")[1] for p in problems}) > 5
     full, frac = rewards.CodeReward(mode="all"), rewards.CodeReward()
     assert [full("", p["solution"], p["target"]) for p in problems] == [1.0] * 60  # the reference lambdas agree

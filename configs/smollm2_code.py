@@ -1,0 +1,26 @@
+# SmolLM2-135M-Instruct on the embedded code task (data.make_code: "Write a Python function f(x) that returns ...",
+# 4 hidden tests each), rewarded by the sandboxed code reward (rewards.CodeReward, sandbox.py), on CPU, one process.
+# What it learns in 10 steps is in docs/sandbox.md.
+#   python train_grpo.py configs/smollm2_code.py --rollout.backend=vllm
+import fetch_model
+
+model.path = str(fetch_model.fetch_smollm2())
+data.name = "code"
+rollout.rewards = {"code": 1.0}     # the fraction of tests passed by the reply's last ```python block
+rollout.accuracy = "code"           # held-out pass@1: all tests passed
+rollout.max_tokens = 64             # a one-line function in a fence is ~25 tokens
+rollout.overlong_cache = 0
+rollout.temperature = 0.7
+rollout.prompts_per_step = 8
+rollout.group_size = 8
+rollout.reward_timeout_s = 3.0      # above the reward's 1 s sandbox limit plus its ~0.1 s start
+loss.name = "grpo"
+loss.kwargs = {"beta": 0.0, "agg": "token_mean"}
+optim.lr = 1e-5
+optim.betas = (0.9, 0.99)
+train.steps = 10
+train.micro_batch = 16
+dist.generator_ranks = 0
+eval.every = 5
+eval.num_problems = 100
+log.run = "smollm2_code"
