@@ -332,8 +332,8 @@ CODE_SPECS = [
     ("returns the list x reversed", lambda a, b: lambda x: x[::-1], "x[::-1]", "list"),
     ("returns the sum of the even numbers in the list x", lambda a, b: lambda x: sum(v for v in x if v % 2 == 0),
      "sum(v for v in x if v % 2 == 0)", "list"),
-    ("returns how many numbers in the list x are greater than {b}", lambda a, b: lambda x: sum(v > b for v in x),
-     "sum(v > {b} for v in x)", "list"),
+    ("returns how many numbers in the list x are greater than {a}", lambda a, b: lambda x: sum(v > a for v in x),
+     "sum(v > {a} for v in x)", "list"),
     ("returns the list x with {b} added to every number", lambda a, b: lambda x: [v + b for v in x],
      "[v + {b} for v in x]", "list"),
     ("returns the list x with every number multiplied by {a}", lambda a, b: lambda x: [v * a for v in x],
@@ -361,6 +361,8 @@ def make_code(n: int, seed: int, tests: int = 4, exclude=()) -> list[dict]:
             inputs = [draw[kind]() for _ in range(tests)]
             if len({json.dumps(f(x)) for x in inputs}) > 1:
                 break
+        else:
+            continue
         tries += 1
         if tries > 100 * n + 1000:
             raise ValueError(f"could not draw {n} distinct code problems ({len(out)} found): {len(CODE_SPECS)} specs")

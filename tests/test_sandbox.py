@@ -141,6 +141,8 @@ def test_code_reward_scores_reference_solutions_and_never_shows_the_tests():
     problems = data.make_code(60, seed=3)
     assert data.make_code(20, seed=3) == problems[:20]
     train = data.make_code(1000, seed=4, exclude=problems)
+    for p in train:  # no constant passes all of a problem's tests
+        assert len({json.dumps(want) for _, want in json.loads(p["target"])["tests"]}) > 1, p
     assert not {p["question"] for p in train} & {p["question"] for p in problems}
     assert len({p["question"].split(" that ")[1].split(".")[0].split(" ")[1] for p in problems}) > 5
     full, frac = rewards.CodeReward(mode="all"), rewards.CodeReward()
