@@ -94,7 +94,7 @@ class Rollout:
                                     # B groups have 0 < std (0 = drop only; the rest is masked out if the cap hits)
     overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
     rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
-                                    # math | think | format | code | "pkg.module:Name" | "path/file.py:Name" (rollout.py)
+                                    # math|think|format|code | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
     accuracy: str = "math"          # the reward whose 1.0 is "correct": rollout/accuracy and eval pass@k (code: "code")
     reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
     reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
