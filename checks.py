@@ -37,8 +37,9 @@ def fields(cfg, rules):
 
 
 def optim_rules(c):
-    """The rows both trainers share: optimizer, schedule, loop, timeouts, checkpoints."""
-    return [("optim.lr", c.optim.lr > 0, "> 0"), ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
+    """The rows both trainers share: dtype, optimizer, schedule, loop, timeouts, checkpoints."""
+    return [("model.dtype", c.model.dtype in ("float32", "bfloat16", "auto"), "float32, bfloat16 or auto"),
+            ("optim.lr", c.optim.lr > 0, "> 0"), ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
             ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
             ("optim.warmup_steps", c.optim.warmup_steps >= 0, ">= 0"),
             ("optim.schedule", c.optim.schedule in ("constant", "cosine"), "constant or cosine"),
@@ -54,7 +55,6 @@ def grpo(cfg, world_size):
     """train_grpo.py's config, at this world size."""
     err, c = config.ConfigError, cfg
     fields(cfg, optim_rules(c) + [
-        ("model.dtype", c.model.dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
         ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits, ">= 1 and <= data.max_digits"),
         ("data.max_prompt_tokens", c.data.max_prompt_tokens >= 1, ">= 1"),
         ("data.long_prompts", c.data.long_prompts in ("drop", "truncate"), "drop or truncate"),

@@ -60,6 +60,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+import machine
+
 _TIMEOUT = timedelta(minutes=10)  # set by init_distributed; every group we create uses it
 _TRAINER_GROUP = None             # the trainer ranks (checkpoint.py); set by trainer_mesh
 
@@ -103,7 +105,8 @@ def check_gpu_layout(local_world_size: int, num_gpus: int) -> None:
 
 
 def get_roles(generator_ranks: int, colocated_engine: bool = False) -> Roles:
-    """Roles from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain `python` is a world of 1); applies rank_env first.
+    """Roles from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain `python` is a world of 1); applies rank_env and this
+    process's thread budget (machine.set_threads) first.
     colocated_engine: with no generator ranks, every rank hosts a vLLM engine (a torch generator needs no pinning)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -123,6 +126,7 @@ def get_roles(generator_ranks: int, colocated_engine: bool = False) -> Roles:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    machine.set_threads(rank)  # this process's share of the cores (torch's threads, and a CPU vLLM engine's)
     index = 0 if hosts_engine else local_rank  # an engine rank sees only its own GPU
     device = torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -145,6 +149,17 @@ def init_distributed(roles: Roles, timeout_s: float = 600) -> None:
         kw["device_id"] = roles.device
     backend = "cpu:gloo,cuda:nccl" if roles.device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=roles.rank, world_size=roles.world_size, timeout=_TIMEOUT, **kw)
+
+
+def agree(name: str, value) -> None:
+    """Every rank of the world holds the same `value` of a setting it resolved on its own (model.dtype = "auto"
+    measures per rank): else all of them stop with the values each rank chose, instead of a collective that hangs."""
+    if dist.get_world_size() == 1:
+        return
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    if len(set(map(repr, values))) > 1:
+        raise RuntimeError(f"the ranks resolved {name} differently: {values} (by rank); set it explicitly")
 
 
 def new_group(ranks):

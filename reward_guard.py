@@ -23,6 +23,7 @@ sandboxing of untrusted code.
 import math
 import multiprocessing as mp
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -100,6 +101,8 @@ def safe_call(fn, prompt, response, target, timeout_s=1.0):
 
 
 def _worker(conn, reward_fns):  # unpickling reward_fns ran their warm-up (MathReward imports sympy)
+    if "torch" in sys.modules:  # spawn re-imported the trainer's module: one thread, run while the trainer waits
+        sys.modules["torch"].set_num_threads(1)
     conn.send("ready")
     while (job := conn.recv()) is not None:
         j, name, prompt, response, target, timeout_s = job

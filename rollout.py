@@ -148,7 +148,8 @@ def default_backend(model_path=None, max_tokens=None, colocated=True) -> str:
 
 
 def build_generator(cfg, path, roles, tok):
-    """This rank's engine; with `rollout.env`, wrapped to play multi-turn episodes (episodes.MultiTurn)."""
+    """This rank's engine, ready for dist.init_distributed; with `rollout.env`, wrapped to play multi-turn episodes
+    (episodes.MultiTurn)."""
     r = cfg.rollout
     max_model_len = cfg.data.max_prompt_tokens + (r.max_episode_tokens if r.env else r.max_tokens)
     kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
@@ -162,6 +163,8 @@ def build_generator(cfg, path, roles, tok):
     else:  # on this rank's device (a GPU without vLLM), computing in the trainer's dtype
         kw.update(device=roles.device, dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None)
     gen = generator.make_generator(backend, path, **kw)
+    if backend == "vllm":  # this process joins the torchrun world next (generator.py: why vLLM's group must go)
+        gen.release_default_group()
     return episodes.MultiTurn(gen, tok, cfg) if r.env else gen
 
 

@@ -30,6 +30,7 @@ import checkpoint
 import config
 import data
 import dist
+import machine
 
 
 def help_text(sections):
@@ -227,14 +228,6 @@ def checkpoint_due(cfg, out, step, model, opt, sched, skipped, abort) -> int:
     return int(checkpoint.save_checkpoint(out / "ckpt", step, model, opt, state) is None)
 
 
-def machine_info():
-    """What the numbers of a run depend on besides its config: CPU kernel path (AVX2 and AVX-512 boxes round
-    differently, and tiny-model RL amplifies it), threads, versions. Written beside config.json."""
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
-
-
 class RunLog:
     """A run's outputs, written by global rank 0 (on other ranks every method is a no-op): the resolved config
     (printed, and saved as config.json), one JSON row per step in metrics.jsonl, other .jsonl logs (`append`), a
@@ -251,9 +244,9 @@ class RunLog:
             resolved = config.to_dict(vars(cfg))
             print("config:", json.dumps(resolved))
             (self.out / "config.json").write_text(json.dumps(resolved))
-            machine = machine_info()
-            print("machine:", json.dumps(machine))
-            (self.out / "machine.json").write_text(json.dumps(machine))
+            info = machine.info()
+            print("machine:", json.dumps(info))
+            (self.out / "machine.json").write_text(json.dumps(info))
             for log in logs:
                 (self.out / log).write_text(read_log(self.out / log, start) if start else "")
             if cfg.log.wandb:  # optional extras, imported only when asked for (check_logging: they are there)

@@ -47,6 +47,7 @@ import checks
 import data
 import dist
 import losses
+import machine
 import reward_guard
 import rollout
 import run
@@ -59,7 +60,8 @@ import weight_sync
 @dataclass
 class Model:
     path: str = ""                  # HF checkpoint dir, a hub name, or "tiny:<dir>" (tiny random model, made if missing)
-    dtype: str = "float32"          # trainer params: float32 | bfloat16 (bf16 params, fp32 reduce)
+    dtype: str = "auto"             # compute: float32 | bfloat16 (bf16 params, fp32 reduce) | auto: bf16 on a GPU;
+                                    # on CPU whichever this machine's matmuls run faster (machine.choose_dtype)
 
 
 @dataclass
@@ -318,6 +320,7 @@ def main(argv=None):
         return
     backend = rollout.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
+    machine.resolve_dtype(cfg)  # "auto": measured here, before the engine or the model is built
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
@@ -329,9 +332,8 @@ def main(argv=None):
     gen = None
     if roles.is_generator or roles.colocated:
         gen = rollout.build_generator(cfg, path, roles, tok)  # multi-turn (rollout.env): an engine that plays episodes
-        if hasattr(gen, "release_default_group"):
-            gen.release_default_group()
     dist.init_distributed(roles, cfg.dist.timeout_s)
+    dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = weight_sync.sync_group(roles)
     train, held_out, num_dropped = rollout.load_tasks(cfg, tok)

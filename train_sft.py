@@ -50,6 +50,7 @@ import checks
 import data
 import dist
 import generator
+import machine
 import reward_guard
 import rewards
 import run
@@ -61,7 +62,8 @@ import run
 @dataclass
 class Model:
     path: str = ""                  # HF checkpoint dir, a hub name, or "tiny:<dir>" (tiny random model, made if missing)
-    dtype: str = "float32"          # trainer params: float32 | bfloat16 (bf16 params, fp32 reduce)
+    dtype: str = "auto"             # compute: float32 | bfloat16 (bf16 params, fp32 reduce) | auto: bf16 on a GPU;
+                                    # on CPU whichever this machine's matmuls run faster (machine.choose_dtype)
 
 
 @dataclass
@@ -216,6 +218,7 @@ def main(argv=None):
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     roles = dist.get_roles(0)  # SFT has no generator ranks: every rank trains
+    machine.resolve_dtype(cfg)  # "auto": measured here, before the model is built
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
@@ -225,6 +228,7 @@ def main(argv=None):
     path = run.resolve_model(cfg.model.path)
     tok = data.Tokenizer(path)
     dist.init_distributed(roles, cfg.dist.timeout_s)
+    dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, roles.world_size // cfg.dist.tp, cfg.dist.tp)
     train, held_out, exclude = load_tasks(cfg)
     for p in held_out:

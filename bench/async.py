@@ -18,12 +18,14 @@ broadcast starts when both sides arrive), so only the step time and the two busy
 import argparse
 import importlib.util
 import json
-import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import machine  # noqa: E402
 _spec = importlib.util.spec_from_file_location("bench_step", ROOT / "bench" / "step.py")
 step = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(step)
@@ -36,6 +38,7 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async.json"))
     p.add_argument("overrides", nargs="*", help="train_grpo.py overrides, after --")
     args = p.parse_args()
+    roof = machine.roofline()  # first: the figures this run's speeds are read against
 
     runs = {}
     for staleness in (0, 1):
@@ -58,7 +61,7 @@ def main():
     result = dict(workload="configs/tiny.py, random tiny checkpoint, 1 trainer + 1 vLLM rank", overrides=args.overrides,
                   warmup=args.warmup, steps=args.steps, staleness0=runs[0], staleness1=runs[1],
                   speedup_1_over_0=speedup, target_ratio=1.15, target_met=runs[1]["ratio_step_over_max"] <= 1.15,
-                  cpu_count=os.cpu_count())
+                  machine=roof)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 import data  # noqa: E402
 import generator  # noqa: E402
+import machine  # noqa: E402
 
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 WORKLOADS = {  # name: (prompt kind, prompts, samples per prompt, temperature, max tokens)
@@ -76,6 +77,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "generate.json"))
     args = p.parse_args()
+    roof = machine.roofline()  # first: the figures this run's speeds are read against
     sizes, workloads = args.sizes.split(","), args.workloads.split(",")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,7 +127,7 @@ def main():
               f"  {r['ratio_vllm_over_torch']:10.2f}  {r['compaction_speedup']:15.2f}")
     result = dict(workloads={w: dict(zip(("prompts", "num_prompts", "n", "temperature", "max_tokens"), WORKLOADS[w]))
                              for w in workloads},
-                  results=res, torch_threads=torch_threads, cpu_count=os.cpu_count(), torch_version=torch.__version__)
+                  results=res, torch_threads=torch_threads, machine=roof)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -50,6 +50,7 @@ import torch  # noqa: E402
 
 import dist  # noqa: E402
 import generator  # noqa: E402
+import machine  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 
 QWEN25_15B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -213,7 +214,7 @@ def main():
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     t_all = time.perf_counter()
-    res = {"device": name, "torch": torch.__version__, "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
+    res = {"device": name, "machine": machine.info(), "torch": torch.__version__, "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
     if MISSING:
         res["grpo"] = None
         print(f"grpo: SKIPPED, not installed: {' '.join(MISSING)} (pip install {' '.join(MISSING)})", flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import machine  # noqa: E402
 import rewards  # noqa: E402
 import run  # noqa: E402
 import sandbox  # noqa: E402
@@ -29,7 +30,7 @@ def main():
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--out", default="bench/results/sandbox.json")
     a = ap.parse_args()
-    out = {"machine": run.machine_info(), "isolation": sandbox.isolation(), "n": a.n}
+    out = {"machine": machine.roofline(), "isolation": sandbox.isolation(), "n": a.n}
     for workers in (1, 2):
         out[f"trivial_w{workers}"] = rate("print(1)", a.n, workers, 2.0)
         out[f"timeout_1s_w{workers}"] = rate("while True: pass", max(4, a.n // 8), workers, 1.0)

@@ -131,6 +131,9 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "step.json"))
     p.add_argument("overrides", nargs="*", help="train_grpo.py overrides, after --")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import machine
+    roof = machine.roofline()  # first: the figures this run's speeds are read against
 
     with tempfile.TemporaryDirectory() as tmp:
         rows, rss, wall = run_grpo(args.overrides, args.warmup + args.steps + 1, tmp, args.nproc, args.config,
@@ -153,7 +156,7 @@ def main():
                   **b, other_target_frac=0.05, other_ok=b["parts_frac"]["other"] <= 0.05,
                   peak_rss_mb={f"rank{r}": mb for r, mb in sorted(rss.items())}, wall_s=wall,
                   per_step=[{k: r[k] for k in r if k.startswith(("perf/", "sync/"))} for r in rows],
-                  cpu_count=os.cpu_count())
+                  machine=roof)
     if top:
         result["profile_top_cumulative"] = top
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

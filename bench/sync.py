@@ -165,6 +165,9 @@ def main():
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "sync.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import machine
+    roof = machine.roofline()  # first: the figures this run's speeds are read against
     if args.worker:
         return worker(args)
     tmp_out = Path(args.out).with_suffix(".tmp")
@@ -186,7 +189,7 @@ def main():
         best = max(r["buckets"], key=lambda b: b["real_over_raw"])
         r["best"] = dict(bucket_mb=best["bucket_mb"], real_over_raw=best["real_over_raw"])
     result = dict(backend="gloo", world_size=2, repeats=args.repeats, target_real_over_raw=0.8, models=rows,
-                  cpu_count=os.cpu_count())
+                  machine=roof)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -37,12 +37,13 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import dist  # noqa: E402
 import losses  # noqa: E402
+import machine  # noqa: E402
 import model as model_lib  # noqa: E402
 import checks  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from generator import Completion  # noqa: E402
-from vs_trl import G, SIZES, matmul_gflops, train_overrides  # noqa: E402
+from vs_trl import G, SIZES, train_overrides  # noqa: E402
 
 CHUNKED_LOGPROBS = model_lib.chunked_logprobs
 VARIANTS = ["fsdp_fp32", "plain_fp32", "fsdp_bf16", "adamw_loop", "autograd_logp", "chunk_256", "chunk_4096", "compile"]
@@ -140,17 +141,15 @@ def main():
     roles = dist.get_roles(0)
     dist.init_distributed(roles)
     mesh = dist.trainer_mesh(roles, 1, 1)
-    roof = dict(fp32_gflops=matmul_gflops(torch.float32), bf16_gflops=matmul_gflops(torch.bfloat16),
-                threads=torch.get_num_threads())
-    # the same limit at the update's own shapes: its tokens x hidden against the MLP's hidden x intermediate
+    # the limit at 2048^3 and at the update's own shape: its tokens x hidden against the MLP's hidden x intermediate
     c = model_lib.ModelConfig.from_hf(json.loads((Path(path) / "config.json").read_text()))
     tokens = cfg.rollout.prompts_per_step * (batch["P"] - 1) + len(batch["ids"]) * R
-    for dt in (torch.float32, torch.bfloat16):
-        roof[f"mlp_shape_{str(dt)[6:]}_gflops"] = matmul_gflops(dt, tokens, c.hidden_size, c.intermediate_size)
+    mlp = f"{tokens}x{c.hidden_size}x{c.intermediate_size}"
+    roof = machine.roofline([(tokens, c.hidden_size, c.intermediate_size)])
     print(f"batch {tuple(batch['ids'].shape)} (P={batch['P']}, R={R}, {tokens} tokens computed); GFLOP/s of a 2048^3 "
-          f"matmul fp32 {roof['fp32_gflops']:.0f}, bf16 {roof['bf16_gflops']:.0f}; at the MLP's shape fp32 "
-          f"{roof['mlp_shape_float32_gflops']:.0f}, bf16 {roof['mlp_shape_bfloat16_gflops']:.0f} "
-          f"({roof['threads']} threads)", flush=True)
+          f"matmul fp32 {roof['fp32_gflops']:.0f}, bf16 {roof.get('bf16_gflops', 0):.0f}; at the MLP's shape fp32 "
+          f"{roof['fp32_gflops_' + mlp]:.0f}, bf16 {roof.get('bf16_gflops_' + mlp, 0):.0f} "
+          f"({roof['threads']} threads; bf16 0 = no bf16 path on this CPU, not timed)", flush=True)
     results, base_logp, profiles = {}, None, {}
     for v in a.variants:
         m, opt, sched = build(v, path, mesh, cfg)

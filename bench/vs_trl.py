@@ -29,8 +29,9 @@ after the other, never concurrent.
 Reported per run: the median step over steps --measure-from..--steps (the first steps pay one-off warm-ups) and its
 split, each part's median: generation / reference (the no-grad reference forward) / update (forward, backward,
 AdamW) / sync (weights to the generator) / other (the step minus the rest: rewards, batching, logging); peak RSS;
-step_time_ratio = nanoforge / TRL and rss_ratio. And a roofline, measured in the same run before each workload: a
-2048^3 matmul's GFLOP/s in fp32 and bf16, the update's achieved GFLOP/s (perf/update_gflop / update seconds, FLOPs
+step_time_ratio = nanoforge / TRL and rss_ratio. And a roofline, measured in the same run before each workload
+(machine.roofline: CPU capability, cores, memory read GB/s, a 2048^3 matmul's GFLOP/s in fp32 and, where this CPU
+has a bf16 path, bf16), the update's achieved GFLOP/s (perf/update_gflop / update seconds, FLOPs
 counted by model.forward_flops: 6 x block params x computed tokens + 6 x lm_head x response tokens + attention's
 12 x layers x heads x head_dim per (query, key) pair SDPA computes) and its ratio to the fp32 matmul.
 
@@ -178,21 +179,6 @@ def trl_worker(a):
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, torch_threads=torch.get_num_threads())))
 
 
-def matmul_gflops(dtype, m=2048, k=2048, n=2048, repeats=5):
-    """This CPU's limit, measured in the same run: best of `repeats` (m, k) @ (k, n) matmuls on torch's threads."""
-    import torch
-    x, y = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    x @ y  # warm-up: thread pool, oneDNN kernels
-    best = min(_timed(lambda: x @ y) for _ in range(repeats))
-    return 2 * m * k * n / best / 1e9
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def split(rows, lo, hi):
     """Medians over steps lo..hi (1-based, inclusive) of the step and its parts: generation / reference / update /
     sync / other, "other" taken per step (step minus the parts) before its median. rows: dicts with step, gen, ref,
@@ -310,15 +296,16 @@ def main():
         return print_table(json.loads(Path(a.out).read_text())["runs"])
 
     sys.path.insert(0, str(ROOT))
-    import torch
+    import machine
     py = ensure_trl_venv() if "trl" in a.sides else None
     rank = ["--dist.generator_ranks=1"]  # 1 trainer rank + 1 generator rank under torchrun, one core each
-    variants = {"torch": (["--dist.generator_ranks=0", "--rollout.backend=torch"], 1),  # the CPU default
+    fp32 = "--model.dtype=float32"  # like for like with TRL's fp32 (the configs' "auto" may pick bf16)
+    variants = {"torch": (["--dist.generator_ranks=0", "--rollout.backend=torch", fp32], 1),  # the CPU default
                 "bf16": (["--dist.generator_ranks=0", "--rollout.backend=torch", "--model.dtype=bfloat16"], 1),
-                "vllm": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256"], 1),
-                "sync": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=0"], 2),
-                "async": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=1"], 2),
-                "async_torch": ([*rank, "--rollout.backend=torch", "--rollout.max_staleness=1"], 2)}
+                "vllm": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256", fp32], 1),
+                "sync": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=0", fp32], 2),
+                "async": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=1", fp32], 2),
+                "async_torch": ([*rank, "--rollout.backend=torch", "--rollout.max_staleness=1", fp32], 2)}
     out_path = Path(a.out)
     saved = json.loads(out_path.read_text()) if out_path.exists() else {}
     results = saved.get("runs", {})
@@ -333,8 +320,7 @@ def main():
                 res.update(params=num_params, prompts_per_step=w["prompts"], group_size=G, max_tokens=w["max_tokens"],
                            beta=w.get("beta", 0.0), data="gsm8k" if w.get("data") else "arith", lr=SIZES[size]["lr"])
                 # the roofline, measured beside the runs it judges
-                roof = dict(fp32_gflops=matmul_gflops(torch.float32), bf16_gflops=matmul_gflops(torch.bfloat16),
-                            threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d %H:%M"))
+                roof = {**machine.roofline(), "date": time.strftime("%Y-%m-%d %H:%M")}
                 if "trl" in a.sides:
                     side = "trl_bf16" if a.bf16 else "trl"  # the ratios stay against fp32 TRL
                     res[side] = {**run_trl(py, ckpt, size, wl, a, tmp), "roofline": roof}

@@ -5,6 +5,7 @@
 # held-out problems jumps at a seed-dependent step, so the run stops on a dev accuracy target instead of a
 # step count: GRPO (configs/tiny.py) needs a start between ~0.2 and ~0.7 to have room to improve.
 model.path = "tiny:out/tiny/init"  # random init + the task's tokenizer, made there on first use
+model.dtype = "float32"             # not "auto": the calibrated recipe was measured in fp32 on both boxes
 data.name = "arith"
 data.min_digits = 1                 # SFT on 1-2 digit operands ...
 data.max_digits = 2

@@ -8,6 +8,7 @@
 import os
 
 model.path = "out/demo/sft/hf" if os.path.exists("out/demo/sft/hf/config.json") else "tiny:out/tiny/init"
+model.dtype = "float32"             # not "auto": the demo's gains (docs/demo.md) were measured in fp32 on both boxes
 data.name = "arith"
 data.min_digits = 2                 # RL and eval on 2-digit operands (SFT saw 1-2 digits)
 rollout.prompts_per_step = 32       # B

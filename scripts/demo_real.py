@@ -109,7 +109,8 @@ def main(argv=None):
     import fetch_model
     print(f"checkpoint: {fetch_model.fetch_smollm2()}", flush=True)  # converted once, outside the timed run
     cmd = [sys.executable, "train_grpo.py", "configs/smollm2_cpu.py", f"--log.out_dir={args.out_dir}",
-           "--log.run=demo_real/grpo", f"--train.seed={args.seed}", *["--" + a[len("--grpo."):] for a in extra]]
+           "--log.run=demo_real/grpo", f"--train.seed={args.seed}", "--model.dtype=float32",  # as measured (docs)
+           *["--" + a[len("--grpo."):] for a in extra]]
     seconds = run_phase("GRPO", cmd, out / "grpo.log")
     rows = [json.loads(line) for line in open(out / "grpo" / "metrics.jsonl")]
     summary = summarize(rows, seconds, json.loads((out / "grpo" / "config.json").read_text()))

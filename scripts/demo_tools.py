@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from demo import read_metrics, run_phase  # noqa: E402  (scripts/demo.py: a trainer in a subprocess, teed to a log)
 
 SHARED = ["--rollout.backend=vllm", "--rollout.kv_cache_mb=1024", "--eval.every=5", "--eval.num_problems=200"]
-SINGLE = ["--data.min_digits=2", "--data.max_digits=2", "--rollout.temperature=0.7", "--train.steps=1000"]
+SINGLE = ["--data.min_digits=2", "--data.max_digits=2", "--rollout.temperature=0.7", "--train.steps=1000",
+          "--model.dtype=float32"]  # smollm2_cpu.py's "auto" could pick bf16: the same dtype as smollm2_tools.py
 MIN_GAIN = 0.15  # the bar for the multi-turn run; it must also end above the single-turn run
 
 

@@ -45,7 +45,14 @@ def test_dedicated_generator_rank_and_resume(tmp_path, start_ckpt):
     """1 trainer + 1 vLLM rank, 4 steps with checkpoints every 2, then resume from step 2: steps 3-4 agree."""
     common = [f"--model.path={start_ckpt}", "--train.steps=4", "--ckpt.every=2",
               "--train.deterministic=true", "--optim.weight_decay=0.5", "--optim.lr=0.01"]
-    run([*common, "--log.run=a"], tmp_path)
+    res = run([*common, "--log.run=a"], tmp_path)
+    # the thread budget (machine.set_threads): the ranks' shares never add up past the cores, and they are disjoint
+    # (the vLLM rank's engine binds its OpenMP threads to its share, VLLM_CPU_OMP_THREADS_BIND: tests/test_machine.py)
+    cores = len(os.sched_getaffinity(0))
+    shares = {int(r): json.loads(c) for r, c in re.findall(r"threads: rank (\d) takes \d+ of \d+ cores \(cpus (\[[\d, ]*\])",
+                                                      res.stdout)}
+    assert sorted(shares) == [0, 1] and sum(map(len, shares.values())) <= cores, shares
+    assert cores < 2 or not set(shares[0]) & set(shares[1]), shares
     rows = metrics(tmp_path / "a" / "metrics.jsonl")
     train_rows = [r for r in rows if "perf/step_s" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]

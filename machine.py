@@ -1,0 +1,155 @@
+"""Know the machine: what a run's speed depends on, measured where it runs, and the two choices that follow from it.
+
+The same code was 2.2x faster in bf16 than in fp32 on one 2-core box (AVX-512 with BF16: oneDNN has bf16 kernels)
+and ~400x slower on the next (AVX2 only: a bf16 2048^3 matmul ran at 0.30 GFLOP/s against fp32's 131), and two
+processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x slower than one thread each
+(../shared/notes/machines.md). So neither the compute dtype nor the thread count is a constant in a config:
+
+- `choose_dtype`: `model.dtype = "auto"` means bf16 on a GPU; on a CPU, bf16 only where `probe_dtype` (< 0.1 s at
+  start-up) measures bf16 matmuls at least BF16_MIN_SPEEDUP times faster than fp32 at an update-like shape, else
+  fp32. A pure function of the probe's figures, so the rule is tested apart from the timing.
+- `thread_budget`: each process of a job takes an equal share of the cores it may use (`os.sched_getaffinity`,
+  which `taskset` narrows), so the job's total never exceeds them: torch's intra-op threads, and the cores a vLLM
+  CPU engine binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND). OMP_NUM_THREADS, where set, caps the share
+  (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
+  workers run one thread each, while the trainer waits for their scores.
+- `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
+  cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
+"""
+import os
+import time
+
+import torch
+
+BF16_MIN_SPEEDUP = 1.25  # bf16 costs train/generator agreement (0.037 nats per token vs 2e-6 in fp32): only for speed
+
+
+def info() -> dict:
+    """What a run's numbers depend on besides its config: CPU kernel path (AVX2 and AVX-512 boxes round differently,
+    and tiny-model RL amplifies it), cores and threads, versions. Written beside config.json."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": len(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
+
+
+def _best_s(fn, repeats=3, budget_s=None):
+    """The fastest of `repeats` timed calls after one warm-up (thread pool, oneDNN kernel selection), stopping early
+    once `budget_s` is spent."""
+    t0 = time.perf_counter()
+    fn()
+    best = first = time.perf_counter() - t0
+    for _ in range(repeats):
+        if budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
+        t1 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t1)
+    return min(best, first)
+
+
+def matmul_gflops(dtype, m=2048, k=2048, n=2048, repeats=5, budget_s=None) -> float:
+    """Best GFLOP/s of an (m, k) @ (k, n) matmul in `dtype` on this process's torch threads."""
+    x, y = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    return 2 * m * k * n / _best_s(lambda: x @ y, repeats, budget_s) / 1e9
+
+
+def read_gbps(mib=256, repeats=3) -> float:
+    """Memory read bandwidth: a sum over `mib` MiB of fp32 (larger than any cache here)."""
+    x = torch.ones(mib << 18)
+    return (mib << 20) / _best_s(lambda: x.sum(), repeats) / 1e9
+
+
+def probe_dtype(m=128, k=576, n=1536) -> dict:
+    """fp32 and bf16 GFLOP/s at an update-like matmul (SmolLM2-135M's MLP at 128 tokens), in < 0.1 s on either box:
+    a tiny bf16 matmul first, and the full shape only where that one was not already far slower than fp32. On one
+    thread: the question is the kernels' path, and one thread is not thrown off by other work on the cores."""
+    t0, threads = time.perf_counter(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shape = (16, 256, 256)
+        got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=2) for dt in (torch.float32, torch.bfloat16)}
+        if got["bfloat16"] >= got["float32"] / 4:  # else no hardware bf16 path: the full shape would take ~0.3 s
+            shape = (m, k, n)
+            got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=3, budget_s=0.03)
+                   for dt in (torch.float32, torch.bfloat16)}
+    finally:
+        torch.set_num_threads(threads)
+    return {**got, "shape": shape, "probe_s": time.perf_counter() - t0}
+
+
+def choose_dtype(device_type: str, fp32_gflops: float = 0.0, bf16_gflops: float = 0.0) -> tuple[str, str]:
+    """model.dtype = "auto" -> (dtype, why): bf16 on a GPU; on a CPU bf16 only if its matmuls are at least
+    BF16_MIN_SPEEDUP times fp32's on this machine."""
+    if device_type == "cuda":
+        return "bfloat16", "GPU"
+    ratio = bf16_gflops / fp32_gflops if fp32_gflops > 0 else 0.0
+    dtype = "bfloat16" if ratio >= BF16_MIN_SPEEDUP else "float32"
+    return dtype, (f"bf16 matmul {bf16_gflops:.1f} vs fp32 {fp32_gflops:.1f} GFLOP/s on this CPU ({ratio:.2f}x; "
+                   f"bf16 needs >= {BF16_MIN_SPEEDUP}x)")
+
+
+def resolve_dtype(cfg) -> None:
+    """Replace cfg.model.dtype = "auto" by the dtype this machine runs faster, and say which and why."""
+    if cfg.model.dtype != "auto":
+        return
+    if torch.cuda.device_count():
+        dtype, why = choose_dtype("cuda")
+    else:
+        p = probe_dtype()
+        dtype, why = choose_dtype("cpu", p["float32"], p["bfloat16"])
+    cfg.model.dtype = dtype
+    print(f"model.dtype=auto -> {dtype}: {why}", flush=True)
+
+
+def thread_budget(cores: int, local_procs: int, local_rank: int) -> list[int]:
+    """This process's share of `cores` CPU ids when `local_procs` processes of a job share them: equal contiguous
+    slices, the remainder to the first ranks; one core each where there are more processes than cores."""
+    ids = sorted(cores) if not isinstance(cores, int) else list(range(cores))
+    if local_procs >= len(ids):
+        return [ids[local_rank % len(ids)]]
+    size, extra = divmod(len(ids), local_procs)
+    start = local_rank * size + min(local_rank, extra)
+    return ids[start:start + size + (local_rank < extra)]
+
+
+def omp_cap(environ) -> int:
+    """OMP_NUM_THREADS as a cap (0: none). Set by hand for processes run side by side, and by torchrun (1) when it
+    starts several ranks and the variable is unset."""
+    try:
+        return max(0, int(environ.get("OMP_NUM_THREADS", "0").split(",")[0]))
+    except ValueError:
+        return 0
+
+
+_USER_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ  # set by the user: theirs wins
+
+
+def set_threads(rank: int = 0) -> list[int]:
+    """Apply this process's thread budget (torchrun's LOCAL_WORLD_SIZE / LOCAL_RANK; plain python is one process),
+    capped by OMP_NUM_THREADS: torch's intra-op threads, and VLLM_CPU_OMP_THREADS_BIND for a CPU vLLM engine this
+    process may start (vLLM's own default binds every core of the node). Logs it. Returns the cores taken."""
+    local_procs, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    cores, cap = os.sched_getaffinity(0), omp_cap(os.environ)
+    mine = thread_budget(cores, local_procs, local_rank)[:cap or None]
+    torch.set_num_threads(len(mine))
+    if not torch.cuda.device_count() and not _USER_BIND:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+    print(f"threads: rank {rank} takes {len(mine)} of {len(cores)} cores (cpus {mine}; {local_procs} process(es) "
+          f"on this node{f', OMP_NUM_THREADS={cap}' if cap else ''})", flush=True)
+    return mine
+
+
+def roofline(shapes=()) -> dict:
+    """A bench result's first record: info(), memory read GB/s, the dtype probe, and fp32 and bf16 matmul GFLOP/s
+    at 2048^3 and at each (m, k, n) in `shapes` (e.g. the decode step's and the update's), on this process's threads.
+    Where the probe found no hardware bf16 path, bf16 is not timed again (a 2048^3 matmul would take ~60 s)."""
+    probe = probe_dtype()
+    out = {**info(), "read_gbps": read_gbps(), "dtype_probe": probe,
+           "auto_dtype": choose_dtype("cpu", probe["float32"], probe["bfloat16"])[0]}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16} if probe["bfloat16"] >= probe["float32"] / 4 \
+        else {"fp32": torch.float32}
+    for shape in ((2048, 2048, 2048), *shapes):
+        for name, dt in dtypes.items():  # fp32_gflops / bf16_gflops at 2048^3, fp32_gflops_<m>x<k>x<n> at the others
+            out[f"{name}_gflops" + ("_" + "x".join(map(str, shape)) if shape[0] != 2048 or shape[1:] != (2048, 2048)
+                                    else "")] = matmul_gflops(dt, *shape, repeats=3)
+    return out

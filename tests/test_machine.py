@@ -1,0 +1,92 @@
+"""machine.py: the dtype rule as a pure function of the probe's figures, the probe's cost, the thread budget as a
+pure function of the cores, and what a process applies (in a subprocess: torch's thread count is per process).
+The 2-rank check of the budget, under torchrun with a vLLM rank, is in tests/test_train_grpo.py."""
+import json
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import checks
+import config
+import machine
+import train_grpo
+from conftest import ROOT
+
+
+def test_dtype_rule_from_the_probe_figures():
+    assert machine.choose_dtype("cuda")[0] == "bfloat16"
+    # box A (AVX-512 BF16): a 2048^3 bf16 matmul at ~2.2x fp32; box B (AVX2): 0.30 against 131 GFLOP/s
+    assert machine.choose_dtype("cpu", 170.0, 370.0)[0] == "bfloat16"
+    dtype, why = machine.choose_dtype("cpu", 131.0, 0.30)
+    assert dtype == "float32" and "0.3 vs fp32 131.0" in why
+    assert machine.choose_dtype("cpu", 100.0, 100.0 * machine.BF16_MIN_SPEEDUP)[0] == "bfloat16"  # the edge: bf16
+    assert machine.choose_dtype("cpu", 100.0, 120.0)[0] == "float32"  # faster, but not enough to pay the mismatch
+    assert machine.choose_dtype("cpu", 0.0, 0.0)[0] == "float32"
+
+
+def test_probe_is_cheap_and_resolve_only_touches_auto(capsys):
+    t0 = time.perf_counter()
+    p = machine.probe_dtype()
+    assert time.perf_counter() - t0 < 0.5 and p["float32"] > 0 and p["bfloat16"] > 0, p
+    threads = torch.get_num_threads()
+    cfg = train_grpo.parse_config(["--model.dtype=auto"])
+    machine.resolve_dtype(cfg)
+    assert cfg.model.dtype in ("float32", "bfloat16") and torch.get_num_threads() == threads
+    assert f"model.dtype=auto -> {cfg.model.dtype}: " in capsys.readouterr().out  # says what and why
+    cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"))
+    machine.resolve_dtype(cfg)
+    assert cfg.model.dtype == "float32" and capsys.readouterr().out == ""
+
+
+def test_dtype_values_are_checked():
+    with pytest.raises(config.ConfigError, match="model.dtype='fp16' must be float32, bfloat16 or auto"):
+        checks.grpo(train_grpo.parse_config(["--model.dtype=fp16"]), 1)
+
+
+def test_thread_budget_never_exceeds_the_cores():
+    for cores in (1, 2, 3, 8, 64, [2, 3, 5, 7]):
+        ids = set(range(cores)) if isinstance(cores, int) else set(cores)
+        for procs in (1, 2, 3, 8, 9):
+            shares = [machine.thread_budget(cores, procs, r) for r in range(procs)]
+            assert all(shares) and all(set(s) <= ids for s in shares)
+            if procs <= len(ids):  # disjoint, and together exactly the cores: nothing idle, nothing shared
+                assert sorted(c for s in shares for c in s) == sorted(ids), (cores, procs, shares)
+            else:  # one core each: the least a process can have
+                assert all(len(s) == 1 for s in shares)
+    assert [machine.thread_budget(8, 3, r) for r in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_a_process_applies_its_share():
+    code = ("import os, torch, machine\nfor r in range(2):\n    os.environ['LOCAL_RANK'] = str(r)\n"
+            "    mine = machine.set_threads(rank=r)\n"
+            "    print(mine, torch.get_num_threads(), os.environ['VLLM_CPU_OMP_THREADS_BIND'])")
+    cores = sorted(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
+    for cap in ("", "1"):  # the budget alone; then capped, as torchrun's default or a side-by-side run sets it
+        extra = {"OMP_NUM_THREADS": cap} if cap else {}
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra, "LOCAL_WORLD_SIZE": "2",
+                             "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        for rank in range(2):
+            mine = machine.thread_budget(cores, 2, rank)[:int(cap) if cap else None]
+            assert lines[2 * rank] == f"threads: rank {rank} takes {len(mine)} of {len(cores)} cores (cpus {mine}; " \
+                                      f"2 process(es) on this node{', OMP_NUM_THREADS=1' if cap else ''})"
+            assert lines[2 * rank + 1] == f"{mine} {len(mine)} {','.join(map(str, mine))}"
+    assert machine.omp_cap({"OMP_NUM_THREADS": "4,2"}) == 4 and machine.omp_cap({"OMP_NUM_THREADS": "x"}) == 0
+
+
+def test_roofline_records_the_machine():
+    r = machine.roofline([(16, 64, 128)])
+    json.dumps(r)  # goes into bench/results/*.json as is
+    assert r["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and r["cores"] >= 1
+    assert r["read_gbps"] > 0 and r["fp32_gflops"] > 0 and r["fp32_gflops_16x64x128"] > 0
+    assert r["auto_dtype"] in ("float32", "bfloat16")
+    # bf16 is timed only where the probe found a hardware path (else a 2048^3 matmul takes ~60 s)
+    has_path = r["dtype_probe"]["bfloat16"] >= r["dtype_probe"]["float32"] / 4
+    assert ("bf16_gflops" in r) == has_path
