@@ -227,7 +227,7 @@ def test_dead_rank_is_detected_promptly_and_named(grpo):
     ("--train.max_skipped_steps=0", "train.max_skipped_steps=0 must be >= 1"),
     ("--data.long_prompts=cut", "data.long_prompts='cut' must be drop or truncate"),
     ("--data.min_digits=3", "data.min_digits=3 must be >= 1 and <= data.max_digits"),
-    ("--model.dtype=fp16", "model.dtype='fp16' must be float32 or bfloat16"),
+    ("--model.dtype=fp16", "model.dtype='fp16' must be float32, bfloat16 or auto"),
     ("--ckpt.resume=out/x/ckpt/step_3", "ckpt.resume='out/x/ckpt/step_3' is not a complete checkpoint"),
     ("--rollout.group_size=x", "rollout.group_size: cannot parse 'x' as int"),
     ("--rollout.grup_size=4", "did you mean 'rollout.group_size'"),
