@@ -37,14 +37,14 @@ def _best_s(fn, repeats=3, budget_s=None):
     once `budget_s` is spent."""
     t0 = time.perf_counter()
     fn()
-    best = first = time.perf_counter() - t0
+    best = time.perf_counter() - t0
     for _ in range(repeats):
         if budget_s is not None and time.perf_counter() - t0 > budget_s:
             break
         t1 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t1)
-    return min(best, first)
+    return best
 
 
 def matmul_gflops(dtype, m=2048, k=2048, n=2048, repeats=5, budget_s=None) -> float:
@@ -68,13 +68,14 @@ def probe_dtype(m=128, k=576, n=1536) -> dict:
     try:
         shape = (16, 256, 256)
         got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=2) for dt in (torch.float32, torch.bfloat16)}
-        if got["bfloat16"] >= got["float32"] / 4:  # else no hardware bf16 path: the full shape would take ~0.3 s
+        bf16_path = got["bfloat16"] >= got["float32"] / 4  # else no hardware bf16 path: the full shape takes ~0.3 s
+        if bf16_path:
             shape = (m, k, n)
             got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=3, budget_s=0.03)
                    for dt in (torch.float32, torch.bfloat16)}
     finally:
         torch.set_num_threads(threads)
-    return {**got, "shape": shape, "probe_s": time.perf_counter() - t0}
+    return {**got, "bf16_path": bf16_path, "shape": shape, "probe_s": time.perf_counter() - t0}
 
 
 def choose_dtype(device_type: str, fp32_gflops: float = 0.0, bf16_gflops: float = 0.0) -> tuple[str, str]:
@@ -101,8 +102,8 @@ def resolve_dtype(cfg) -> None:
     print(f"model.dtype=auto -> {dtype}: {why}", flush=True)
 
 
-def thread_budget(cores: int, local_procs: int, local_rank: int) -> list[int]:
-    """This process's share of `cores` CPU ids when `local_procs` processes of a job share them: equal contiguous
+def thread_budget(cores, local_procs: int, local_rank: int) -> list[int]:
+    """This process's share of `cores` (CPU ids, or a count meaning 0..n-1) when `local_procs` processes of a job share them: equal contiguous
     slices, the remainder to the first ranks; one core each where there are more processes than cores."""
     ids = sorted(cores) if not isinstance(cores, int) else list(range(cores))
     if local_procs >= len(ids):
@@ -146,10 +147,9 @@ def roofline(shapes=()) -> dict:
     probe = probe_dtype()
     out = {**info(), "read_gbps": read_gbps(), "dtype_probe": probe,
            "auto_dtype": choose_dtype("cpu", probe["float32"], probe["bfloat16"])[0]}
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16} if probe["bfloat16"] >= probe["float32"] / 4 \
-        else {"fp32": torch.float32}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16} if probe["bf16_path"] else {"fp32": torch.float32}
     for shape in ((2048, 2048, 2048), *shapes):
+        suffix = "" if shape == (2048, 2048, 2048) else "_" + "x".join(map(str, shape))
         for name, dt in dtypes.items():  # fp32_gflops / bf16_gflops at 2048^3, fp32_gflops_<m>x<k>x<n> at the others
-            out[f"{name}_gflops" + ("_" + "x".join(map(str, shape)) if shape[0] != 2048 or shape[1:] != (2048, 2048)
-                                    else "")] = matmul_gflops(dt, *shape, repeats=3)
+            out[f"{name}_gflops{suffix}"] = matmul_gflops(dt, *shape, repeats=3)
     return out

@@ -89,4 +89,4 @@ def test_roofline_records_the_machine():
     assert r["auto_dtype"] in ("float32", "bfloat16")
     # bf16 is timed only where the probe found a hardware path (else a 2048^3 matmul takes ~60 s)
     has_path = r["dtype_probe"]["bfloat16"] >= r["dtype_probe"]["float32"] / 4
-    assert ("bf16_gflops" in r) == has_path
+    assert r["dtype_probe"]["bf16_path"] == has_path and ("bf16_gflops" in r) == has_path
