@@ -16,7 +16,7 @@ token_ids are everything after the opening prompt, with a loss mask under them:
   ends with an assistant turn, so the bridge starts with the template's glue after end-of-turn (ChatML's "\\n",
   which the model never samples) and ends with the next assistant header.
 - The mask is 1 on sampled tokens only: env tokens are attended to but never trained on. The attention mask comes
-  from lengths (train_grpo.make_batch), never from a token id (SmolLM2's pad is its eos).
+  from lengths (packing.make_batch), never from a token id (SmolLM2's pad is its eos).
 - Turn 0 samples the G replies of each problem from its one opening prompt; turn k >= 1 generates one reply from
   each still-active episode's ids. Each turn's sampling seed is a function of the batch's seed and k, so
   episodes are a pure function of (seed, step), like single-turn batches (resume stays exact).

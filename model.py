@@ -28,6 +28,8 @@ Shared prompts (`forward(..., prefix=(prompt_ids, prompt_mask, rows))`): GRPO sc
 prompt, and causal attention makes the prompt's states the same in all G rows, so each distinct prompt is run once
 and every completion row attends to its prompt's keys and values (SharedPrefix). Same logprobs and gradients as
 the padded full batch, with G - 1 of every G prompt tokens no longer computed (about half a GRPO step's tokens).
+With `prefix=(prompt_ids, prompt_mask, rows, doc)` the completion rows are packed (packing.py): row r holds several
+completions, doc[r, t] names the one token t belongs to, and each token sees its own prompt and its own completion.
 `forward(..., targets=...)` returns fp32 per-token log-probs log_softmax(logits / temperature)[target] (and
 optionally the entropy) computed chunk by chunk, so the (B, T, V) fp32 tensor never exists at once, in the forward
 nor (through per-chunk recomputation) in the backward.
@@ -177,9 +179,13 @@ class SharedPrefix:
     Pp: int
     B: int
     T: int
-    rows: torch.Tensor      # (B,) index of each completion row's prompt
+    rows: torch.Tensor      # (B,) index of each completion row's prompt; None: packed rows
     mask_p: torch.Tensor    # (U, 1, Pp, Pp) causal + prompt padding
     mask_c: torch.Tensor    # (B, 1, T, Pp + T) a completion row sees its prompt, then itself causally
+    #                         packed: (B, 1, T, U*Pp + T), every prompt's keys, each token its own prompt's only
+
+    def pairs(self):  # (query, key) pairs SDPA computes, masked ones included
+        return self.U * self.Pp * self.Pp + self.B * self.T * self.mask_c.shape[-1]
 
     def attend(self, q, k, v):
         """q (1, H, N, D), k and v (1, H_kv, N, D) -> (1, H, N, D)."""
@@ -193,7 +199,11 @@ class SharedPrefix:
         gqa = q.shape[1] != k.shape[1]
         yp = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=self.mask_p, enable_gqa=gqa)
         # the prompt's keys are gathered per row: in backward their gradients sum over the G rows sharing them
-        yc = F.scaled_dot_product_attention(qc, torch.cat([kp[self.rows], kc], 2), torch.cat([vp[self.rows], vc], 2),
+        if self.rows is None:  # packed rows hold completions of different prompts: all U prompts, masked per token
+            kp, vp = (x[:, :, :n].expand(self.B, -1, -1, -1) for x in (k, v))
+        else:
+            kp, vp = kp[self.rows], vp[self.rows]
+        yc = F.scaled_dot_product_attention(qc, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2),
                                             attn_mask=self.mask_c, enable_gqa=gqa)
         H, D = q.shape[1], q.shape[3]
         return torch.cat([yp.transpose(0, 1).reshape(H, n, D), yc.transpose(0, 1).reshape(H, -1, D)], 1)[None]
@@ -351,10 +361,9 @@ class Transformer(nn.Module):
     def forward(self, input_ids, position_ids=None, attention_mask=None, *, targets=None, temperature=1.0,
                 return_entropy=False, kv_cache=None, cache_pos=0, logits_chunk=1024, prefix=None):
         B, T = input_ids.shape
-        if prefix is not None:  # (prompt_ids, prompt_mask, rows): see SharedPrefix; attention_mask is (B, Pp + T)
-            input_ids, position_ids, mask = self._shared_prefix(input_ids, attention_mask, *prefix)
-            U, Pp = mask.U, mask.Pp
-            self.flops += forward_flops(self.cfg, U * Pp + B * T, U * Pp * Pp + B * T * (Pp + T), B * T)
+        if prefix is not None:  # (prompt_ids, prompt_mask, rows[, doc]): see SharedPrefix
+            input_ids, position_ids, mask = self._shared_prefix(input_ids, attention_mask, position_ids, *prefix)
+            self.flops += forward_flops(self.cfg, mask.U * mask.Pp + B * T, mask.pairs(), B * T)
         else:
             position_ids, mask = self._positions_and_mask(input_ids, position_ids, attention_mask, kv_cache, cache_pos)
             self.flops += forward_flops(self.cfg, B * T, B * T * (cache_pos + T), B * T)
@@ -392,14 +401,27 @@ class Transformer(nn.Module):
         return position_ids, None  # None -> plain causal (SDPA's fast path)
 
     @staticmethod
-    def _shared_prefix(ids, attention_mask, prompt_ids, prompt_mask, rows):
-        """-> the flat (1, U*Pp + B*T) ids, their positions, and the SharedPrefix layout."""
+    def _shared_prefix(ids, attention_mask, position_ids, prompt_ids, prompt_mask, rows, doc=None):
+        """-> the flat (1, U*Pp + B*T) ids, their positions, and the SharedPrefix layout. Padded rows need
+        attention_mask (B, Pp + T); packed rows (doc given) need position_ids (B, T)."""
         (B, T), (U, Pp) = ids.shape, prompt_ids.shape
-        if attention_mask is None or attention_mask.shape != (B, Pp + T):
-            raise ValueError(f"prefix needs attention_mask (B, Pp + T) = {(B, Pp + T)}")
-        position_ids = torch.cat([mask_positions(prompt_mask).reshape(1, -1),
-                                  mask_positions(attention_mask)[:, Pp:].reshape(1, -1)], 1)
-        layout = SharedPrefix(U, Pp, B, T, rows, padding_mask(prompt_mask, 0, Pp), padding_mask(attention_mask, Pp, T))
+        if doc is None:
+            if attention_mask is None or attention_mask.shape != (B, Pp + T):
+                raise ValueError(f"prefix needs attention_mask (B, Pp + T) = {(B, Pp + T)}")
+            position_ids, mask_c = mask_positions(attention_mask)[:, Pp:], padding_mask(attention_mask, Pp, T)
+        else:
+            if position_ids is None or doc.shape != (B, T):
+                raise ValueError(f"packed prefix needs position_ids and doc (B, T) = {(B, T)}")
+            own = torch.where(doc >= 0, rows[doc.clamp(min=0)], -1)  # each token's prompt; -1 = padding
+            see_prompt = (own[:, :, None] == torch.arange(U, device=ids.device).repeat_interleave(Pp)) \
+                & prompt_mask.reshape(1, 1, -1).bool()
+            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+            # same completion, causal; a padding token sees itself only (never nothing: NaN), its output unused
+            see_self = causal & (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0) | torch.eye(
+                T, dtype=torch.bool, device=ids.device)
+            mask_c, rows = torch.cat([see_prompt, see_self], -1)[:, None], None
+        layout = SharedPrefix(U, Pp, B, T, rows, padding_mask(prompt_mask, 0, Pp), mask_c)
+        position_ids = torch.cat([mask_positions(prompt_mask).reshape(1, -1), position_ids.reshape(1, -1)], 1)
         return torch.cat([prompt_ids.reshape(1, -1), ids.reshape(1, -1)], 1), position_ids, layout
 
     @classmethod

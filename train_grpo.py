@@ -48,6 +48,7 @@ import data
 import dist
 import losses
 import machine
+import packing
 import reward_guard
 import rollout
 import run
@@ -199,48 +200,9 @@ def advantages(r, cfg, lengths):
     return losses.reinforce_pp_advantages(r)
 
 
-def make_batch(problems, groups, pad_id):
-    """Left-pad prompts and right-pad responses, so every response starts at column P."""
-    seqs = [(p["prompt_ids"], c) for p, comps in zip(problems, groups) for c in comps]
-    P = max(len(p) for p, _ in seqs)
-    R = max(max(len(c.token_ids) for _, c in seqs), 1)
-    ids = torch.full((len(seqs), P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    gen_logp = torch.zeros(len(seqs), R)
-    for i, (p, c) in enumerate(seqs):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        ids[i, P:P + len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-        attn[i, P - len(p):P + len(c.token_ids)] = 1
-        gen_logp[i, :len(c.logprobs)] = torch.tensor(c.logprobs)
-    mask = attn[:, P:].float()  # (B*G, R): 1 on response tokens (sampled ones only, in a multi-turn episode)
-    for i, (_, c) in enumerate(seqs):
-        if c.mask is not None:
-            mask[i, :len(c.mask)] = torch.tensor(c.mask, dtype=torch.float32)
-    version = torch.tensor([float(c.generator_version) for _, c in seqs])
-    prompt = torch.tensor([i for i, comps in enumerate(groups) for _ in comps])  # row -> its prompt
-    return dict(ids=ids, attn=attn, mask=mask, gen_logp=gen_logp, P=P, version=version, prompt=prompt)
-
-
-def response_logp(model, batch, rows, temperature, entropy=False):
-    """Policy logprobs (and entropy) of the response tokens of `rows`: (b, R) in fp32. The rows' distinct prompts
-    go through the model once each (model.SharedPrefix): the inputs are each row from its last prompt token on."""
-    ids, attn, P = batch["ids"][rows], batch["attn"][rows], batch["P"]
-    uniq, inv = torch.unique(batch["prompt"][rows], return_inverse=True)
-    first = torch.zeros_like(uniq).scatter_(0, inv, torch.arange(len(inv), device=inv.device))  # a row per prompt
-    prefix = (ids[first, :P - 1], attn[first, :P - 1], inv) if P > 1 else None
-    return model(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:], temperature=temperature,
-                 return_entropy=entropy, prefix=prefix)
-
-
-def no_grad_logp(model, batch, micro, temperature):
-    with torch.no_grad():
-        return torch.cat([response_logp(model, batch, slice(i, i + micro), temperature)
-                          for i in range(0, len(batch["ids"]), micro)])
-
-
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
     """ppo_epochs x minibatches optimizer steps on this rank's batch; returns summed metrics."""
-    n, model.flops = len(batch["ids"]), 0  # model.forward_flops, summed over this update's forwards
+    n, model.flops, tokens = len(batch["ids"]), 0, {}  # model.forward_flops, summed over this update's forwards
     mb_size = math.ceil(n / cfg.train.minibatches)
     sums, num_opt, skipped, first_logp = {}, 0, 0, torch.zeros_like(batch["gen_logp"])
     # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
@@ -252,7 +214,8 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
             mb_rows = perm[mb_start:mb_start + mb_size]
             for mc_start in range(0, len(mb_rows), cfg.train.micro_batch):
                 rows = mb_rows[mc_start:mc_start + cfg.train.micro_batch]
-                logp, ent = response_logp(model, batch, rows, cfg.rollout.temperature, entropy=True)
+                logp, ent = packing.response_logp(model, batch, rows, cfg.rollout.temperature, entropy=True,
+                                                  stats=tokens)
                 mask = batch["mask"][rows].to(device)
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
@@ -290,6 +253,7 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
     sums = {k: float(v) / cfg.train.ppo_epochs for k, v in sums.items()}
     sums["train/grad_norm"] *= cfg.train.ppo_epochs / num_opt
     sums["perf/update_gflop"] = 3 * model.flops / 1e9  # forwards + backwards
+    sums["perf/pad_frac"] = tokens["tokens"] / max(tokens["real_tokens"], 1)  # computed / real (packing.py)
     return sums, skipped, first_logp
 
 
@@ -299,7 +263,7 @@ def drift(model, batch, logp, start_logp, cfg):
     KL(pi_old || pi_start) to the weights the run began from. The tokens are pi_old's samples, so k3 is unbiased."""
     mask = batch["mask"]
     keep = mask.bool()
-    new = no_grad_logp(model, batch, cfg.train.micro_batch, cfg.rollout.temperature).cpu()
+    new = packing.no_grad_logp(model, batch, cfg.train.micro_batch, cfg.rollout.temperature).cpu()
     old, new, start = (torch.where(keep, x.cpu(), 0.0) for x in (logp, new, start_logp))
     return {"drift/kl_step": float(losses.masked_mean(losses.kl_estimate(old, new, "k3"), mask)),
             "drift/moved_frac": float(losses.masked_mean(((new - old).exp() - 1).abs().gt(0.2).float(), mask)),
@@ -389,20 +353,20 @@ def main(argv=None):
             lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
         # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
         adv = advantages(r, cfg, lengths)
-        batch = make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
+        batch = packing.make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})  # the model's inputs
         if cfg.rollout.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         adv = adv.reshape(-1)  # (B/dp*G,)
         # 4e. reference and old logprobs (no grad), only when the loss needs them
         with run.timed(perf, "perf/ref_s"):
-            ref_logp = no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None
+            ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None
         with run.timed(perf, "perf/old_s"):
             old_logp = None  # on-policy single update: old = sg(logp) inside the loss
             if cfg.rollout.max_staleness:
                 old_logp = batch["gen_logp"]  # the policy that actually sampled (weights one version old)
             elif cfg.train.ppo_epochs * cfg.train.minibatches > 1:
-                old_logp = no_grad_logp(model, batch, cfg.train.micro_batch, T)
+                old_logp = packing.no_grad_logp(model, batch, cfg.train.micro_batch, T)
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with run.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)

@@ -6,6 +6,7 @@ workload's config) and responses of exactly --response tokens (random ids: the c
 content). Each variant builds its own model and optimizer, runs one untimed update, then --repeats timed ones:
 
     fsdp_fp32      what train_grpo runs in one process: FSDP2 over a 1-rank mesh, fp32, fused AdamW
+    padded_fp32    fsdp_fp32 with the responses never packed (packing.py), each micro-batch padded to its longest
     plain_fp32     the bare module, no fully_shard (a 1-rank FSDP2 still gathers and frees every block)
     fsdp_bf16      model.dtype = "bfloat16": FSDP2 computes in bf16 from fp32 master weights (fp32 grads, AdamW)
     adamw_loop     fsdp_fp32 with torch's CPU default AdamW (a loop over the parameters; fused=False)
@@ -23,6 +24,7 @@ torch.profiler's top operators by self CPU time of one extra, untimed update of 
     .venv/bin/python bench/update.py --variants fsdp_fp32 plain_fp32 --repeats 1 --profile
 """
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -36,27 +38,37 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import dist  # noqa: E402
+import generator  # noqa: E402
 import losses  # noqa: E402
 import machine  # noqa: E402
 import model as model_lib  # noqa: E402
+import packing  # noqa: E402
 import checks  # noqa: E402
 import rollout  # noqa: E402
 import train_grpo  # noqa: E402
 from generator import Completion  # noqa: E402
 from vs_trl import G, SIZES, train_overrides  # noqa: E402
 
-CHUNKED_LOGPROBS = model_lib.chunked_logprobs
-VARIANTS = ["fsdp_fp32", "plain_fp32", "fsdp_bf16", "adamw_loop", "autograd_logp", "chunk_256", "chunk_4096", "compile"]
+CHUNKED_LOGPROBS, RESPONSE_LOGP = model_lib.chunked_logprobs, packing.response_logp
+VARIANTS = ["fsdp_fp32", "padded_fp32", "plain_fp32", "fsdp_bf16", "adamw_loop", "autograd_logp", "chunk_256",
+            "chunk_4096", "compile"]
 
 
-def make_step_batch(cfg, tok, R):
-    """One step's batch as train_grpo builds it: the step's prompts, G responses of R tokens each."""
+def make_step_batch(cfg, tok, R, path, sampled=False):
+    """One step's batch as train_grpo builds it: the step's prompts, G responses of R tokens each, or (sampled)
+    the G responses the model itself samples for them at the workload's temperature, up to R tokens: real lengths."""
     train, _, _ = rollout.load_tasks(cfg, tok)
     problems = data.step_batch(train, 0, cfg.rollout.prompts_per_step, cfg.train.seed)
     gen = torch.Generator().manual_seed(0)
-    groups = [[Completion(p["prompt_ids"], torch.randint(3, 49_000, (R,), generator=gen).tolist(), "", [0.0] * R,
-                          "length", 0) for _ in range(G)] for p in problems]
-    batch = train_grpo.make_batch(problems, groups, tok.pad_token_id)
+    if sampled:
+        engine = generator.make_generator("torch", path, max_model_len=cfg.data.max_prompt_tokens + R, seed=0)
+        groups = engine.generate([p["prompt_ids"] for p in problems], n=G, temperature=cfg.rollout.temperature,
+                                 max_tokens=R)
+        del engine
+    else:
+        groups = [[Completion(p["prompt_ids"], torch.randint(3, 49_000, (R,), generator=gen).tolist(), "", [0.0] * R,
+                              "length", 0) for _ in range(G)] for p in problems]
+    batch = packing.make_batch(problems, groups, tok.pad_token_id)
     adv = torch.randn(len(batch["ids"]), generator=gen)
     return batch, adv
 
@@ -80,6 +92,8 @@ def autograd_chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_
 
 def build(variant, path, mesh, cfg):
     model_lib.chunked_logprobs = autograd_chunked_logprobs if variant == "autograd_logp" else CHUNKED_LOGPROBS
+    packing.response_logp = functools.partial(RESPONSE_LOGP, packed=False) if variant == "padded_fp32" \
+        else RESPONSE_LOGP
     m = model_lib.Transformer.from_pretrained(path)
     if variant not in ("plain_fp32", "compile"):
         dist.shard_model(m, mesh, param_dtype=torch.bfloat16 if variant == "fsdp_bf16" else None)
@@ -103,15 +117,16 @@ def time_update(m, opt, sched, loss_fn, batch, adv, cfg, repeats, prof=None):
         opt_s.append(time.perf_counter() - t0)
         return out
     opt.step = timed_step
-    times = []
+    times, inner = [], getattr(m, "_orig_mod", m)  # a compiled model counts its FLOPs in the module it wraps
     for i in range(repeats + 1):  # the first is untimed: warm-up (and compilation)
-        t0 = time.perf_counter()
-        train_grpo.update(m, opt, sched, loss_fn, batch, adv, None, None, cfg, "cpu", i)
+        inner.flops, t0 = 0, time.perf_counter()
+        sums = train_grpo.update(m, opt, sched, loss_fn, batch, adv, None, None, cfg, "cpu", i)[0]
         times.append(time.perf_counter() - t0)
+    gflop = 3 * inner.flops / 1e9  # one update's forwards + backwards
     if prof is not None:  # one more, profiled, outside the timings (the profiler slows what it records)
         with prof:
             train_grpo.update(m, opt, sched, loss_fn, batch, adv, None, None, cfg, "cpu", repeats + 1)
-    return statistics.median(times[1:]), statistics.median(opt_s[1:repeats + 1]), times[0]
+    return statistics.median(times[1:]), statistics.median(opt_s[1:repeats + 1]), times[0], sums["perf/pad_frac"], gflop
 
 
 def top_ops(prof, n=15):
@@ -125,6 +140,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workload", default="short", choices=list(SIZES["135m"]["workloads"]))
     p.add_argument("--response", type=int, default=None, help="response tokens per row (default: the workload's)")
+    p.add_argument("--sampled", action="store_true", help="responses the model samples (real lengths, up to "
+                   "--response) instead of exactly --response random tokens")
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--profile", action="store_true")
@@ -135,7 +152,7 @@ def main():
     cfg = train_grpo.parse_config([SIZES["135m"]["config"], *train_overrides("135m", a.workload, path)])
     R = a.response or cfg.rollout.max_tokens
     tok = data.Tokenizer(path)
-    batch, adv = make_step_batch(cfg, tok, R)
+    batch, adv = make_step_batch(cfg, tok, R, path, a.sampled)
     loss_fn = losses.LOSSES["grpo"](**checks.loss_kwargs(cfg))
     os.environ.setdefault("WORLD_SIZE", "1")
     roles = dist.get_roles(0)
@@ -146,7 +163,7 @@ def main():
     tokens = cfg.rollout.prompts_per_step * (batch["P"] - 1) + len(batch["ids"]) * R
     mlp = f"{tokens}x{c.hidden_size}x{c.intermediate_size}"
     roof = machine.roofline([(tokens, c.hidden_size, c.intermediate_size)])
-    print(f"batch {tuple(batch['ids'].shape)} (P={batch['P']}, R={R}, {tokens} tokens computed); GFLOP/s of a 2048^3 "
+    print(f"batch {tuple(batch['ids'].shape)} (P={batch['P']}, R={R}, {tokens} tokens padded); GFLOP/s of a 2048^3 "
           f"matmul fp32 {roof['fp32_gflops']:.0f}, bf16 {roof.get('bf16_gflops', 0):.0f}; at the MLP's shape fp32 "
           f"{roof['fp32_gflops_' + mlp]:.0f}, bf16 {roof.get('bf16_gflops_' + mlp, 0):.0f} "
           f"({roof['threads']} threads; bf16 0 = no bf16 path on this CPU, not timed)", flush=True)
@@ -155,34 +172,33 @@ def main():
         m, opt, sched = build(v, path, mesh, cfg)
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) \
             if a.profile and v in (a.variants[0], "fsdp_bf16") else None
-        inner = getattr(m, "_orig_mod", m)
         try:
             # the reference forward (no grad), on the checkpoint's weights: every variant's logp are comparable
-            logp = train_grpo.no_grad_logp(m, batch, cfg.train.micro_batch, 1.0)  # warm-up
+            logp = packing.no_grad_logp(m, batch, cfg.train.micro_batch, 1.0)  # warm-up
             t0 = time.perf_counter()
-            logp = train_grpo.no_grad_logp(m, batch, cfg.train.micro_batch, 1.0)
+            logp = packing.no_grad_logp(m, batch, cfg.train.micro_batch, 1.0)
             ref_s = time.perf_counter() - t0
-            inner.flops = 0
-            t, t_opt, first_s = time_update(m, opt, sched, loss_fn, batch, adv, cfg, a.repeats, prof)
+            t, t_opt, first_s, pad_frac, gflop = time_update(m, opt, sched, loss_fn, batch, adv, cfg, a.repeats, prof)
         except Exception as e:  # compile needs a working C++ toolchain: a failure is a result, not a crash
             results[v] = dict(error=f"{type(e).__name__}: {str(e)[:500]}")
             print(f"{v:12s} failed: {results[v]['error'][:200]}", flush=True)
             continue
-        gflop = 3 * inner.flops / (a.repeats + 1 + (prof is not None)) / 1e9
         base_logp = logp if base_logp is None else base_logp
         mask = batch["mask"].bool()
-        results[v] = dict(update_s=t, first_update_s=first_s, optimizer_s=t_opt, gflop=gflop, gflops=gflop / t,
+        results[v] = dict(update_s=t, first_update_s=first_s, optimizer_s=t_opt, pad_frac=pad_frac, gflop=gflop,
+                          gflops=gflop / t,
                           over_fp32_matmul=gflop / t / roof["fp32_gflops"], ref_forward_s=ref_s,
                           logp_abs_diff_vs_first=float((logp - base_logp)[mask].abs().mean()))
         if prof is not None:
             profiles[v] = top_ops(prof)
         r = results[v]
-        print(f"{v:12s} update {t:6.2f} s (AdamW {t_opt:.2f}) {r['gflops']:6.1f} GFLOP/s = {r['over_fp32_matmul']:.2f} "
-              f"of fp32 matmul; ref fwd {ref_s:.2f} s; |dlogp| {r['logp_abs_diff_vs_first']:.2e}", flush=True)
+        print(f"{v:12s} update {t:6.2f} s (AdamW {t_opt:.2f}) pad_frac {pad_frac:.3f} {r['gflops']:6.1f} GFLOP/s = "
+              f"{r['over_fp32_matmul']:.2f} of fp32 matmul; ref fwd {ref_s:.2f} s; |dlogp| {r['logp_abs_diff_vs_first']:.2e}", flush=True)
         del m, opt
+        lens = batch["attn"][:, batch["P"]:].sum(1).tolist()
         Path(a.out).write_text(json.dumps(dict(workload=a.workload, batch_shape=list(batch["ids"].shape), P=batch["P"],
-                                               R=R, tokens=tokens, roofline=roof, variants=results, profiles=profiles,
-                                               date=time.strftime("%Y-%m-%d %H:%M")), indent=2) + "\n")
+                                               R=R, sampled=a.sampled, response_lens=lens, tokens=tokens, roofline=roof,
+                                               variants=results, profiles=profiles, date=time.strftime("%Y-%m-%d %H:%M")), indent=2) + "\n")
     for v, ops in profiles.items():
         print(f"\n{v}: top operators by self CPU time")
         for o in ops:

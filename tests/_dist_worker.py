@@ -16,6 +16,7 @@ import checkpoint as C  # noqa: E402
 import dist as D  # noqa: E402
 import weight_sync as W  # noqa: E402
 import model as M  # noqa: E402
+import packing  # noqa: E402
 
 
 def tiny_cfg(model_type="qwen2", tie=True):
@@ -49,6 +50,20 @@ def prefix_nll(m, ids, P):  # mean NLL of the tokens after the prompt, each prom
     logp = m(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:],
              prefix=(ids[first, :P - 1], attn[first, :P - 1], torch.arange(len(ids)) // 2))
     return -logp.mean()
+
+
+def packed_batch(seed, P=6):
+    """8 rows in groups of 2 (shared prompts), responses of lengths that pack across prompts on every mesh."""
+    ids = batch(seed, B=8, T=13)
+    ids[1::2, :P] = ids[0::2, :P]
+    attn = torch.ones_like(ids)
+    for i, n in enumerate([7, 3, 4, 2, 5, 1, 6, 2]):
+        attn[i, P + n:] = 0
+    return dict(ids=ids, attn=attn, P=P, prompt=torch.arange(8) // 2)
+
+
+def packed_nll(m, b, rows, packed, scale):  # -sum of the rows' response logprobs * scale (packing.response_logp)
+    return -packing.response_logp(m, b, rows, 1.0, packed=packed).sum() * scale
 
 
 def full(t):  # a copy: on a 1-rank mesh full_tensor() returns the live local tensor
@@ -94,6 +109,12 @@ def trainers2(roles, out):
     ref_prefix_loss = -pref(pids[:, :-1], targets=pids[:, 1:])[:, P - 1:].mean()
     ref_prefix_loss.backward()
     ref_prefix_grads = {n: p.grad.clone() for n, p in pref.named_parameters()}
+    # the packed update (packing.py) under each mesh, against the padded rows on one unsharded rank
+    pb, pk = packed_batch(2), make_model(cfg, 0)
+    n_real = int(pb["attn"][:, pb["P"]:].sum())
+    ref_packed_loss = packed_nll(pk, pb, slice(0, 8), False, 1 / n_real)
+    ref_packed_loss.backward()
+    ref_packed_grads = {n: p.grad.clone() for n, p in pk.named_parameters()}
     for name, dp, tp, ac in [("fsdp", 2, 1, False), ("tp", 1, 2, False), ("fsdp_ac", 2, 1, True)]:
         mesh = D.trainer_mesh(roles, dp, tp)
         m = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
@@ -110,10 +131,19 @@ def trainers2(roles, out):
         prefix_loss.backward()
         prefix_loss = prefix_loss.detach().clone()
         dist.all_reduce(prefix_loss, group=mesh["dp_shard"].get_group())
+        km = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
+        r = mesh["dp_shard"].get_local_rank()
+        # FSDP averages grads over dp ranks: each rank's share of the sum, times dp
+        packed_loss = packed_nll(km, pb, slice(r * 8 // dp, (r + 1) * 8 // dp), True, dp / n_real)
+        packed_loss.backward()
+        packed_loss = packed_loss.detach().clone()
+        dist.all_reduce(packed_loss, group=mesh["dp_shard"].get_group())
         res[name] = {"loss": abs(loss.item() / dp - ref_loss.item()), "grad_norm": abs(norm - ref_norm),
                      "grad": max_diff(grads, ref_grads), "param_after_step": max_diff(full_params(m), ref_after),
                      "prefix_loss": abs(prefix_loss.item() / dp - ref_prefix_loss.item()),
                      "prefix_grad": max_diff({n: full(p.grad) for n, p in pm.named_parameters()}, ref_prefix_grads),
+                     "packed_loss": abs(packed_loss.item() / dp - ref_packed_loss.item()),
+                     "packed_grad": max_diff({n: full(p.grad) for n, p in km.named_parameters()}, ref_packed_grads),
                      "tied": m.lm_head.weight is m.model.embed_tokens.weight,
                      "names": sorted(n for n, _ in m.named_parameters()) == sorted(ref_after)}
 

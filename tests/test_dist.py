@@ -45,6 +45,7 @@ def test_fsdp_tp_match_one_rank_colocated_sync_and_resume(tmp_path):
             assert r["loss"] <= 1e-5 and r["grad_norm"] <= 1e-5, (name, r)
             assert r["grad"] <= 1e-5 and r["param_after_step"] <= 1e-5, (name, r)
             assert r["prefix_loss"] <= 1e-5 and r["prefix_grad"] <= 1e-5, (name, r)  # shared-prompt forward
+            assert r["packed_loss"] <= 1e-5 and r["packed_grad"] <= 1e-5, (name, r)  # packed responses
             assert r["tied"] and r["names"], (name, r)  # tie survives sharding; HF names unchanged
         col = res["colocated"]
         assert col["equal"] and "model.embed_tokens.weight" in col["names"]

@@ -17,6 +17,7 @@ import data
 import envs
 import episodes
 import generator
+import packing
 import train_grpo
 from config import ConfigError
 from model import Transformer
@@ -247,9 +248,9 @@ def rebuild(tok, p, c, rec, env_reply):
 
 
 def trainer_logp(model, problems, groups, tok):
-    batch = train_grpo.make_batch(problems, groups, tok.pad_token_id)
+    batch = packing.make_batch(problems, groups, tok.pad_token_id)
     with torch.no_grad():
-        logp = train_grpo.response_logp(model, batch, slice(0, len(batch["ids"])), 1.0)
+        logp = packing.response_logp(model, batch, slice(0, len(batch["ids"])), 1.0)
     return logp, batch
 
 

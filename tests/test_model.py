@@ -1,6 +1,7 @@
 """model.py against its oracles: transformers' own Llama/Qwen2/Qwen3 (logits, both load/save directions), vLLM's
 prompt logprobs, slow reference computations (padding, KV cache, logprobs, gradients), and the allocator's view of
 peak memory for the chunked logprob head."""
+import itertools
 import json
 import os
 import sys
@@ -351,30 +352,86 @@ def test_vllm_prompt_logprobs_match(vllm_ckpt):
 
 
 def test_grpo_response_logp_equals_each_sequence_alone():
-    """train_grpo.response_logp (padded batch, shared prompts, any subset of rows) against the oracle: each
-    prompt + completion run alone, unpadded, through a plain forward."""
-    import train_grpo
+    """packing.response_logp (padded batch, shared prompts, any subset of rows) against the oracle: each
+    prompt + completion run alone, unpadded, through a plain forward; padded and packed rows alike, zero past each
+    response."""
+    import packing
     from generator import Completion
     m = our_model("qwen2", kv_heads=1, layers=2)
     prompts = [rand_ids(1, n, seed=30 + i)[0].tolist() for i, n in enumerate([6, 3, 8])]
     lens = [[4, 1], [6, 6], [2, 5]]
     groups = [[Completion(p, rand_ids(1, n, seed=40 + 2 * i + j)[0].tolist(), "", [0.0] * n, "length", 0)
                for j, n in enumerate(ns)] for i, (p, ns) in enumerate(zip(prompts, lens))]
-    batch = train_grpo.make_batch([{"prompt_ids": p} for p in prompts], groups, pad_id=0)
-    for rows in (torch.arange(6), torch.tensor([5, 0, 2, 3])):  # whole batch; a shuffled minibatch
-        with torch.no_grad():
-            logp, ent = train_grpo.response_logp(m, batch, rows, temperature=0.7, entropy=True)
+    batch = packing.make_batch([{"prompt_ids": p} for p in prompts], groups, pad_id=0)
+    for rows, packed in itertools.product((torch.arange(6), torch.tensor([5, 0, 2, 3])), (False, True)):
+        with torch.no_grad():  # the whole batch; a shuffled minibatch
+            logp, ent = packing.response_logp(m, batch, rows, temperature=0.7, entropy=True, packed=packed)
+        assert logp.shape == ent.shape == (len(rows), 6)
         for k, r in enumerate(rows.tolist()):
             c = groups[r // 2][r % 2]
             seq = torch.tensor(c.prompt_ids + c.token_ids)[None]
             with torch.no_grad():
                 alone = m(seq[:, :-1], targets=seq[:, 1:], temperature=0.7)[0, len(c.prompt_ids) - 1:]
             assert (logp[k, :len(c.token_ids)] - alone).abs().max() < 1e-5, (rows, r)
-            assert torch.isfinite(ent[k]).all()
+            assert torch.isfinite(ent[k]).all() and not logp[k, len(c.token_ids):].any()
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["padded", "shared_prefix"])
-def test_forward_flops_equals_torch_flop_counter(shared):
+def test_pack_first_fit_decreasing():
+    import packing
+    lengths = [5, 0, 3, 8, 2, 2, 7, 1]
+    bins = packing.pack(lengths, 8)
+    assert sorted(i for b in bins for i in b) == [0, 2, 3, 4, 5, 6, 7]  # each non-empty sequence exactly once
+    assert all(sum(lengths[i] for i in b) <= 8 for b in bins) and len(bins) == 4  # 28 tokens: 4 rows of 8
+    assert bins == [[3], [6, 7], [0, 2], [4, 5]]  # longest first, each into the first row with room
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_update_equals_the_padded_batch(family):
+    """The update's forward as the trainer runs it (packing.response_logp: shared prompts trimmed, responses
+    packed several to a row) against the padded full batch through a plain forward: logprobs and entropies to 1e-6
+    of their scale in fp32, and every parameter's gradient. Prompts of different lengths, groups of 3, 1 and 4,
+    responses of 1 to 9 tokens (one empty), GQA; the micro-batch is a shuffled subset, as with
+    train.minibatches > 1. Gradients are held to 1e-5 of their scale: summation order alone moves fp32 gradients
+    by ~2e-6 here, and the padded shared-prompt path (no packing) is off by as much."""
+    import packing
+    from generator import Completion
+    m = our_model(family, kv_heads=2, layers=3)
+    prompts = [rand_ids(1, n, seed=50 + i)[0].tolist() for i, n in enumerate([9, 4, 6])]
+    lens = [[5, 9, 2], [7], [1, 6, 0, 3]]
+    groups = [[Completion(p, rand_ids(1, n, seed=60 + 4 * i + j)[0].tolist() if n else [], "", [0.0] * n, "stop", 0)
+               for j, n in enumerate(ns)] for i, (p, ns) in enumerate(zip(prompts, lens))]
+    batch = packing.make_batch([{"prompt_ids": p} for p in prompts], groups, pad_id=0)
+    ids, attn, P, mask = batch["ids"], batch["attn"], batch["P"], batch["mask"]
+    rows = torch.tensor([6, 0, 3, 1, 7, 4, 2])
+    adv = torch.linspace(-1, 1, len(rows))[:, None]
+
+    def loss_and_grads(logp, ent):
+        (-(adv * logp * mask[rows]).sum() + 0.3 * (ent * mask[rows]).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad()
+        return logp.detach(), ent.detach(), grads
+    full = m(ids[rows, :-1], attention_mask=attn[rows, :-1], targets=ids[rows, 1:], temperature=0.7,
+             return_entropy=True)
+    ref = loss_and_grads(full[0][:, P - 1:], full[1][:, P - 1:])
+    stats = {}
+    got = loss_and_grads(*packing.response_logp(m, batch, rows, 0.7, entropy=True, packed=True, stats=stats))
+    on = mask[rows].bool()
+
+    def err(a, b):  # relative to the tensor's scale: one fp32 ulp at a logprob of -8 is 1e-6 already
+        return float((a - b).abs().max() / b.abs().max())
+    assert err(got[0][on], ref[0][on]) <= 1e-6 and err(got[1][on], ref[1][on]) <= 1e-6
+    for n in ref[2]:  # summation order alone moves fp32 gradients by ~2e-6 here, padded shared prompts alike
+        assert err(got[2][n], ref[2][n]) <= 1e-5, n
+    # 27 response tokens in 3 rows of 9 (9 | 7 2 | 5 3 1; the empty one nowhere), the prompts but their last token
+    # once each (8 + 3 + 5 real, left-padded to 8)
+    assert stats == {"tokens": 3 * 8 + 3 * 9, "real_tokens": 16 + 27}
+    assert packing.response_logp(m, batch, rows, 0.7, packed=None, stats={}).shape == (7, 9)  # the cheaper one
+    with pytest.raises(ValueError, match="packed prefix needs position_ids and doc"):
+        m(ids[:2, P - 1:-1], targets=ids[:2, P:], prefix=(ids[:1, :P - 1], attn[:1, :P - 1], rows[:1], rows[:2, None]))
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared_prefix", "packed"])
+def test_forward_flops_equals_torch_flop_counter(layout):
     """model.forward_flops (what the trainer logs as perf/update_gflop) against what the forward dispatches: torch's
     FlopCounterMode for the matmuls (it does not count CPU attention), and for attention 4 * q.numel() * keys from
     the shapes of every SDPA call seen. GQA, a tied head, left padding (SDPA computes the masked pairs too)."""
@@ -396,9 +453,13 @@ def test_forward_flops_equals_torch_flop_counter(shared):
     rows = torch.tensor([0, 0, 0, 1, 1, 1])
     m.flops = 0
     with FlopCounterMode(display=False) as counter, AttentionFlops() as att, torch.no_grad():
-        if shared:
+        if layout == "shared_prefix":
             m(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:],
               prefix=(ids[[0, 3], :P - 1], attn[[0, 3], :P - 1], rows))
+        elif layout == "packed":  # 4 completions in 2 rows, each token attends to all prompts' keys
+            doc = torch.tensor([[0, 0, 0, 1, 1, 1, -1], [2, 2, 2, 2, 3, 3, 3]])
+            m(ids[:2, P - 1:-1], position_ids=torch.tensor([[8, 9, 10, 8, 9, 10, 0], [8, 9, 10, 11, 8, 9, 10]]),
+              targets=ids[:2, P:], prefix=(ids[[0, 3], :P - 1], attn[[0, 3], :P - 1], torch.tensor([0, 0, 1, 1]), doc))
         else:
             m(ids[:, :-1], attention_mask=attn[:, :-1], targets=ids[:, 1:])
     assert att.flops > 0 and set(counter.get_flop_counts()["Global"]) == {torch.ops.aten.mm}
