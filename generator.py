@@ -17,7 +17,9 @@ whichever was measured faster for the configured layout, model size and generati
 * `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated KVCache (once per
   prompt, then copied to its n samples), then one batched decode step per token with temperature / top-k / top-p
   sampling and per-row stop tokens; finished rows leave the decode batch (their KV rows are dropped) so they stop
-  costing work. For machines without vLLM, and as the reference in tests.
+  costing work. On CPU in fp32 its large Linears run on weights reordered once for oneDNN (machine.onednn_weights: a
+  decode step multiplies a few rows by every weight, where F.linear is slow). For machines without vLLM, and as the
+  reference in tests.
 
 Logprobs. Each Completion carries logp_t = log softmax(logits_t / T)[token_t] in fp32: the log-probability under the
 policy that actually sampled (vLLM's `logprobs_mode="processed_logprobs"`); model.py's forward(targets=,
@@ -60,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+import machine
 
 
 @dataclass
@@ -282,6 +286,7 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
 
 class TorchGenerator:
     compact_finished = True  # drop finished rows from the decode batch (False: the old loop, for bench/generate.py)
+    onednn = True            # reordered Linears on CPU (machine.onednn_weights; False: F.linear, bench/decode.py)
 
     def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0,
                  tokenizer_path=None):
@@ -296,16 +301,30 @@ class TorchGenerator:
             self.model = model_lib.Transformer.from_pretrained(model_or_path, dtype=dtype or torch.float32,
                                                                device=device)
         self.model.eval()
-        self.dtype = dtype
+        self.dtype, self._own = dtype, not isinstance(model_or_path, torch.nn.Module)
+        self._packed = None  # onednn_weights of our own model's current weights (a shared module's change unseen)
         self.max_model_len, self.version = max_model_len, 0
         self.device = next(self.model.parameters()).device
         self.eos_ids, self._decode = (eos_token_ids(path) if path else []), _decoder(path)
         self.rng = torch.Generator(self.device).manual_seed(seed)
 
+    def fast_linears(self, rows):
+        """generate()'s context: machine.onednn_weights (where it applies), once per weight version of our own model,
+        every call for a shared module (its weights change unseen)."""
+        use = self.onednn and (self.dtype or torch.float32) == torch.float32
+        packed = {} if not use else self._packed if self._own and self._packed else \
+            machine.onednn_weights(self.model, rows)
+        self._packed = packed if self._own else None
+        return machine.linears_on(packed)
+
     @torch.no_grad()
     def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
                  stop_token_ids=None, seed=None) -> list[list[Completion]]:
         _check_args(prompt_ids, n, temperature, max_tokens)
+        with self.fast_linears(len(prompt_ids) * n):
+            return self._generate(prompt_ids, n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed)
+
+    def _generate(self, prompt_ids, n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed):
         stop = torch.tensor(self.eos_ids if stop_token_ids is None else list(stop_token_ids), dtype=torch.long,
                             device=self.device)
         rng = self.rng if seed is None else torch.Generator(self.device).manual_seed(seed)
@@ -389,7 +408,7 @@ class TorchGenerator:
             if name not in params:
                 raise KeyError(f"update_weights: {name!r} is not a parameter of the torch generator's model")
             params[name].copy_(t)
-        self.version = version
+        self.version, self._packed = version, None
 
     def sleep(self, keep_weights=True):
         pass  # nothing to offload: its KV cache lives only inside generate()

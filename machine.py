@@ -1,4 +1,4 @@
-"""Know the machine: what a run's speed depends on, measured where it runs, and the two choices that follow from it.
+"""Know the machine: what a run's speed depends on, measured where it runs, and the choices that follow from it.
 
 The same code was 2.2x faster in bf16 than in fp32 on one 2-core box (AVX-512 with BF16: oneDNN has bf16 kernels)
 and ~400x slower on the next (AVX2 only: a bf16 2048^3 matmul ran at 0.30 GFLOP/s against fp32's 131), and two
@@ -13,9 +13,13 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
   CPU engine binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND). OMP_NUM_THREADS, where set, caps the share
   (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
   workers run one thread each, while the trainer waits for their scores.
+- `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
+  the matmul rate on CPU; the same weights reordered once for oneDNN run 1.5-4x faster there (the torch generator
+  uses them in fp32; bench/decode.py).
 - `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
   cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
 """
+import contextlib
 import os
 import time
 
@@ -153,3 +157,35 @@ def roofline(shapes=()) -> dict:
         for name, dt in dtypes.items():  # fp32_gflops / bf16_gflops at 2048^3, fp32_gflops_<m>x<k>x<n> at the others
             out[f"{name}_gflops{suffix}"] = matmul_gflops(dt, *shape, repeats=3)
     return out
+
+
+# Box B (AVX2, 2 threads), 16 rows x SmolLM2-135M's weights: F.linear 14-35 GFLOP/s, the weight reordered once into
+# oneDNN's blocked layout 45-53 (the 576 x 49152 lm_head: 14 -> 52). oneDNN's ~50 us a call loses below this many
+# weight elements (576 x 192: even; the toy's 128 x 384: 2x slower). bench/decode.py measures both.
+ONEDNN_MIN_WEIGHT = 1 << 18
+
+
+def onednn_weights(model, rows: int) -> dict:
+    """{nn.Linear: its weight reordered for oneDNN's matmul at about `rows` rows} for the Linears big enough to gain;
+    {} where it does not apply: a GPU, a dtype other than fp32 (bf16 has no fast path on AVX2), sharded (DTensor)
+    weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
+    from torch.distributed.tensor import DTensor
+    if not torch.backends.mkldnn.is_available():
+        return {}
+    return {mod: torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows) for mod in model.modules()
+            if isinstance(mod, torch.nn.Linear) and not isinstance(mod.weight, DTensor)
+            and mod.weight.device.type == "cpu" and mod.weight.dtype == torch.float32
+            and mod.weight.numel() >= ONEDNN_MIN_WEIGHT}
+
+
+@contextlib.contextmanager
+def linears_on(weights: dict):
+    """Within the block, each Linear in `weights` multiplies by its reordered weight (same math, fp32 summation in
+    another order: ~1e-6 relative)."""
+    for mod, w in weights.items():
+        mod.forward = lambda x, w=w, b=mod.bias: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    try:
+        yield
+    finally:
+        for mod in weights:
+            del mod.forward  # the class's forward again

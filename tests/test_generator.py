@@ -16,6 +16,7 @@ import torch
 
 import data
 import generator
+import machine
 from generator import Completion, TorchGenerator, check_completions
 from model import Transformer
 
@@ -184,6 +185,44 @@ def test_fewer_completions_is_a_clear_error():
         check_completions([[c, c], [c]], 2, 2)
     with pytest.raises(RuntimeError, match="1 completion groups for 2 prompts"):
         check_completions([[c, c]], 2, 2)
+
+
+def test_onednn_linears_are_the_trainers_math_and_follow_the_weights(tiny_ckpt, monkeypatch):
+    """On CPU in fp32 the torch generator multiplies by weights reordered for oneDNN (machine.onednn_weights). The
+    toy's weights are below the size where that pays, so the threshold drops to take every Linear. The logprobs must
+    stay the trainer's, the reordered copy must follow update_weights (its own model) and in-place changes (a shared
+    module), and every module's own forward must be back afterwards."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOneDNN(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountOneDNN.n += func.overloadpacket == torch.ops.mkldnn._linear_pointwise
+            return func(*args, **(kwargs or {}))
+    monkeypatch.setattr(machine, "ONEDNN_MIN_WEIGHT", 0)
+    model = Transformer.from_pretrained(tiny_ckpt).eval()
+    prompts, kw = make_prompts(4, seed=31), dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], seed=0)
+    own, shared = TorchGenerator(str(tiny_ckpt), max_model_len=128), TorchGenerator(model, max_model_len=128)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert len(machine.onednn_weights(model, 8)) == linears == 7 * model.cfg.num_hidden_layers + 1
+    for tg in (own, shared):
+        CountOneDNN.n = 0
+        with CountOneDNN():
+            out = tg.generate(prompts, **kw)
+        assert CountOneDNN.n >= linears * 12 and max_gap(model, out) < TOL, CountOneDNN.n
+        assert not any("forward" in vars(m) for m in tg.model.modules())
+    assert len(own._packed) == linears and shared._packed is None
+    perturbed(model, seed=2)  # the shared generator's weights change under it, as a trainer's do
+    own.update_weights(model.named_parameters(), version=1)
+    assert own._packed is None
+    after = [tg.generate(prompts, **kw) for tg in (own, shared)]
+    assert max(max_gap(model, a) for a in after) < TOL and max_gap(model, out) > 1e-2
+    own.onednn, CountOneDNN.n = False, 0  # F.linear: the same draws (roundings ~1e-6 apart; no draw that near a tie)
+    with CountOneDNN():
+        plain = own.generate(prompts, **kw)
+    assert CountOneDNN.n == 0
+    assert [c.token_ids for g in plain for c in g] == [c.token_ids for g in after[0] for c in g]
 
 
 # ---------------------------------------------------------------------------------------------------------------
