@@ -17,9 +17,8 @@ whichever was measured faster for the configured layout, model size and generati
 * `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated KVCache (once per
   prompt, then copied to its n samples), then one batched decode step per token with temperature / top-k / top-p
   sampling and per-row stop tokens; finished rows leave the decode batch (their KV rows are dropped) so they stop
-  costing work. On CPU in fp32 its large Linears run on weights reordered once for oneDNN (machine.onednn_weights: a
-  decode step multiplies a few rows by every weight, where F.linear is slow). For machines without vLLM, and as the
-  reference in tests.
+  costing work; on CPU in fp32 its large Linears run on oneDNN-reordered weights (machine.onednn_weights). For
+  machines without vLLM, and as the reference in tests.
 
 Logprobs. Each Completion carries logp_t = log softmax(logits_t / T)[token_t] in fp32: the log-probability under the
 policy that actually sampled (vLLM's `logprobs_mode="processed_logprobs"`); model.py's forward(targets=,
@@ -42,17 +41,10 @@ all ranks, which the trainer ranks never join: a deadlock. release_default_group
 (vLLM's groups all have size 1 and never communicate) and detaches vLLM's shutdown finalizer, which would otherwise
 destroy *our* world group at exit. In plain python (a world of 1) it is harmless to call.
 
-On a GPU (engine_args). CUDA graphs are on unless `enforce_eager` (eager on CPU, where vLLM has no graphs). KV
-memory stays an explicit byte count, and vLLM still checks `gpu_memory_utilization x total` against the free memory
-at start even then, so that fraction is passed too and checked first with an error that names the config field.
-Colocated (the engine shares its GPU with a trainer), the engine is built with `enable_sleep_mode=True`: without it
-`llm.sleep()` frees nothing. Around the trainer's update: sleep() (level 1 keeps the weights in host memory, level 2
-drops them when new ones follow), then update_weights wakes the weights, loads the new ones into that memory, and
-only then wakes the KV cache; wake_up() wakes whatever still sleeps. The order is vLLM 0.32's: v1/engine/core.py
-EngineCore.sleep pauses the scheduler and EngineCore.wake_up resumes it only once no tag sleeps (the executor's
-sleeping_tags, v1/executor/abstract.py Executor.wake_up), and the layerwise reload copies into the weights' own
-storage, which must be mapped again first. On CPU the same calls run (the scheduler really pauses; the worker's
-sleep itself is a logged no-op, v1/worker/cpu_worker.py CPUWorker.sleep), so the order is tested there.
+On a GPU (engine_args): CUDA graphs unless `enforce_eager`; KV memory an explicit byte count, with vLLM's
+`gpu_memory_utilization x total` check made first with an error naming the config field; colocated, the engine has
+`enable_sleep_mode=True` and sleeps around the update, waking weights -> load -> KV cache (vLLM 0.32's order and
+where it is in its source: docs/gpu.md). On CPU the same calls run, so the order is tested there.
 
 Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA, stop strings.
 """
@@ -167,9 +159,8 @@ class VLLMGenerator:
                        # request's seeded torch.Generator, which CPU generators cannot do (RuntimeError "CPU
                        # Generator does not use offset", vLLM 0.32). Whole prompts need a budget >= max_model_len.
                        enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
-        self.model_path, self.max_num_seqs, self.version = str(model_path), max_num_seqs, 0
+        self.model_path, self.max_num_seqs, self.version, self.asleep = str(model_path), max_num_seqs, 0, False
         self.eos_ids, self._decode = eos_token_ids(model_path), _decoder(model_path)
-        self.asleep = False
         changed = {k for k in nccl_env.keys() | os.environ.keys() if k.startswith("NCCL_")
                    and nccl_env.get(k) != os.environ.get(k)}
         if changed and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # dist.rank_env set them alike on every rank; a
@@ -273,9 +264,8 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
         drop[:, -1] = False          # keep at least one
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
     logp_all = torch.log_softmax(logits, -1)
-    # Inverse-CDF draw, one uniform per row: the first token whose cumulative mass exceeds u. right=True never
-    # lands on a zero-mass (filtered) token. 25x cheaper on CPU than the exponential race (one exponential per
-    # vocabulary entry), which cost a sixth of the tiny model's generation time.
+    # Inverse-CDF draw, one uniform per row: the first token whose cumulative mass exceeds u (right=True never lands
+    # on a zero-mass, filtered token). 25x cheaper on CPU than an exponential per vocabulary entry.
     cdf = logp_all.exp().cumsum(-1)
     if u is None:
         u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
@@ -288,8 +278,7 @@ class TorchGenerator:
     compact_finished = True  # drop finished rows from the decode batch (False: the old loop, for bench/generate.py)
     onednn = True            # reordered Linears on CPU (machine.onednn_weights; False: F.linear, bench/decode.py)
 
-    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0,
-                 tokenizer_path=None):
+    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0, tokenizer_path=None):
         # dtype: the compute dtype (KV cache included). None = the parameters' dtype; pass it for an FSDP2 module
         # with bf16 mixed precision, whose stored parameters stay fp32 while attention runs in bf16.
         import model as model_lib
@@ -301,16 +290,13 @@ class TorchGenerator:
             self.model = model_lib.Transformer.from_pretrained(model_or_path, dtype=dtype or torch.float32,
                                                                device=device)
         self.model.eval()
-        self.dtype, self._own = dtype, not isinstance(model_or_path, torch.nn.Module)
-        self._packed = None  # onednn_weights of our own model's current weights (a shared module's change unseen)
+        self.dtype, self._own, self._packed = dtype, not isinstance(model_or_path, torch.nn.Module), None
         self.max_model_len, self.version = max_model_len, 0
         self.device = next(self.model.parameters()).device
         self.eos_ids, self._decode = (eos_token_ids(path) if path else []), _decoder(path)
         self.rng = torch.Generator(self.device).manual_seed(seed)
 
-    def fast_linears(self, rows):
-        """generate()'s context: machine.onednn_weights (where it applies), once per weight version of our own model,
-        every call for a shared module (its weights change unseen)."""
+    def fast_linears(self, rows):  # machine.onednn_weights: per weight version; per call for a shared module
         use = self.onednn and (self.dtype or torch.float32) == torch.float32
         packed = {} if not use else self._packed if self._own and self._packed else \
             machine.onednn_weights(self.model, rows)
@@ -355,13 +341,10 @@ class TorchGenerator:
         logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         next_pos = mask.sum(-1)                                   # (R,) position of the first new token
 
-        # 3) decode: one batched forward per token over the rows still running. A finished row stops costing
-        #    work: once finished rows are a quarter of the batch (and a few steps remain), the running rows' KV
-        #    cache is gathered into a smaller batch, and the leading cache columns that are left padding for every
-        #    running row are cut off, so attention spans only the running rows' length. The copy costs about one
-        #    decode step of the rows kept; each step after it saves the dropped rows' share (the matmuls and the
-        #    attention scale with rows; measured in bench/generate.py). Nothing else changes: positions come
-        #    from each row's own token count, and each row draws its own uniform (below) whatever the batch holds.
+        # 3) decode: one batched forward per token over the running rows. Once finished rows are a quarter of the
+        #    batch (and a few steps remain), the running rows' KV cache is gathered into a smaller batch minus the
+        #    leading columns no running row uses: ~one step's cost, then each step saves the dropped rows' share
+        #    (bench/generate.py). Positions and each row's uniform (below) do not depend on what the batch holds.
         toks = torch.zeros(R, T, dtype=torch.long, device=dev)    # (R, T)
         logps = torch.zeros(R, T, dtype=torch.float32, device=dev)
         stopped = torch.zeros(R, dtype=torch.bool, device=dev)
@@ -410,8 +393,8 @@ class TorchGenerator:
             params[name].copy_(t)
         self.version, self._packed = version, None
 
-    def sleep(self, keep_weights=True):
-        pass  # nothing to offload: its KV cache lives only inside generate()
+    def sleep(self, keep_weights=True):  # nothing to offload: its KV cache lives only inside generate()
+        pass
 
     def wake_up(self):
         pass
