@@ -14,7 +14,7 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
   (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
   workers run one thread each, while the trainer waits for their scores.
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
-  the matmul rate on CPU; the same weights reordered once for oneDNN run 1.5-4x faster there (the torch generator
+  the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there (the torch generator
   uses them in fp32; bench/decode.py).
 - `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
   cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
