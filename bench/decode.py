@@ -17,9 +17,10 @@ by part, each alone on the same shapes:
 Levers, side by side in the same run: `linear` (F.linear, the generator before) against `onednn` (the weights
 reordered for oneDNN, machine.onednn_weights: what the generator runs on CPU in fp32); attention `gqa` (SDPA with
 enable_gqa, what model.Attention runs) against `grouped` (the query heads that share a KV head folded into SDPA's
-query dimension). Each figure is the median over --rounds rounds of the best of 3 calls, every variant measured in
-every round (so a busy minute on a shared box hits them alike); min and max are kept. --generate also times whole
-generate() calls on a GRPO-shaped batch (2 GSM8K prompts x 8 samples at T = 1) with each matmul lever.
+query dimension). Each figure is the median over --rounds rounds of the best of 3 calls (machine._best_s), every
+variant measured in every round (so a busy minute on a shared box hits them alike); min and max are kept. Unless
+--no-generate, whole generate() calls on a GRPO-shaped batch (2 GSM8K prompts x 8 samples at T = 1) are timed too,
+with each matmul lever.
 
     .venv/bin/python bench/decode.py                        # bench/results/decode.json (~6 minutes on box B)
     .venv/bin/python bench/decode.py --batches 4 --rounds 1 --context 64 --no-generate   # smoke run
@@ -42,16 +43,6 @@ import machine  # noqa: E402
 import model as model_lib  # noqa: E402
 
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-
-
-def best_s(fn, calls=3):
-    fn()  # warm-up: oneDNN picks its kernels, the allocator settles
-    out = float("inf")
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
 
 
 def step_fns(m, rows, S):
@@ -141,9 +132,9 @@ def main():
                 for lever, weights in (("linear", {}), ("onednn", packed)):
                     with machine.linears_on(weights):
                         for part in ("step", "matmuls"):
-                            samples.setdefault(f"{part}_{lever}", []).append(best_s(fns[part]))
+                            samples.setdefault(f"{part}_{lever}", []).append(machine._best_s(fns[part]))
                 for part in ("attention_gqa", "attention_grouped", "sampling"):
-                    samples.setdefault(part, []).append(best_s(fns[part]))
+                    samples.setdefault(part, []).append(machine._best_s(fns[part]))
             r = {k: summary(v) for k, v in samples.items()}
             med = {k: v["median_s"] for k, v in r.items()}
             fl = floor(cfg, m, rows, S, roof)
