@@ -28,8 +28,8 @@ Shared prompts (`forward(..., prefix=(prompt_ids, prompt_mask, rows))`): GRPO sc
 prompt, and causal attention makes the prompt's states the same in all G rows, so each distinct prompt is run once
 and every completion row attends to its prompt's keys and values (SharedPrefix). Same logprobs and gradients as
 the padded full batch, with G - 1 of every G prompt tokens no longer computed (about half a GRPO step's tokens).
-With `prefix=(prompt_ids, prompt_mask, rows, doc)` the completion rows are packed (packing.py): row r holds several
-completions, doc[r, t] names the one token t belongs to, and each token sees its own prompt and its own completion.
+With `prefix=(prompt_ids, prompt_mask, None, mask_c)` the completion rows are packed (packing.py): row r holds
+several completions, and mask_c lets each token see its own prompt and its own completion.
 `forward(..., targets=...)` returns fp32 per-token log-probs log_softmax(logits / temperature)[target] (and
 optionally the entropy) computed chunk by chunk, so the (B, T, V) fp32 tensor never exists at once, in the forward
 nor (through per-chunk recomputation) in the backward.
@@ -184,9 +184,6 @@ class SharedPrefix:
     mask_c: torch.Tensor    # (B, 1, T, Pp + T) a completion row sees its prompt, then itself causally
     #                         packed: (B, 1, T, U*Pp + T), every prompt's keys, each token its own prompt's only
 
-    def pairs(self):  # (query, key) pairs SDPA computes, masked ones included
-        return self.U * self.Pp * self.Pp + self.B * self.T * self.mask_c.shape[-1]
-
     def attend(self, q, k, v):
         """q (1, H, N, D), k and v (1, H_kv, N, D) -> (1, H, N, D)."""
         n = self.U * self.Pp
@@ -330,16 +327,6 @@ def chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_entropy=F
     return tuple(res) if return_entropy else res[0]
 
 
-def forward_flops(cfg: ModelConfig, tokens: int, attn_pairs: int, logit_tokens: int) -> int:
-    """Matmul FLOPs of one forward pass (2 per multiply-add): every block weight once per token, the lm_head only
-    where logits are taken, and attention's two products (q k^T, then p v) over every (query, key) pair SDPA computes
-    (a dense mask computes the masked pairs too). A backward costs twice a forward, so an update is 3x this: the
-    "6 * params * tokens" rule, counted per part. Norms, RoPE, softmax and the optimizer are left out (not matmuls)."""
-    D, L, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
-    block = D * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * D * cfg.intermediate_size
-    return 2 * (L * block * tokens + D * cfg.vocab_size * logit_tokens) + 4 * L * cfg.num_attention_heads * hd * attn_pairs
-
-
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -356,17 +343,14 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=0.02)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.flops = 0  # matmul FLOPs of every forward so far (forward_flops); the trainer resets it per update
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, *, targets=None, temperature=1.0,
                 return_entropy=False, kv_cache=None, cache_pos=0, logits_chunk=1024, prefix=None):
         B, T = input_ids.shape
-        if prefix is not None:  # (prompt_ids, prompt_mask, rows[, doc]): see SharedPrefix
+        if prefix is not None:  # (prompt_ids, prompt_mask, rows) or (prompt_ids, prompt_mask, None, mask_c)
             input_ids, position_ids, mask = self._shared_prefix(input_ids, attention_mask, position_ids, *prefix)
-            self.flops += forward_flops(self.cfg, mask.U * mask.Pp + B * T, mask.pairs(), B * T)
         else:
             position_ids, mask = self._positions_and_mask(input_ids, position_ids, attention_mask, kv_cache, cache_pos)
-            self.flops += forward_flops(self.cfg, B * T, B * T * (cache_pos + T), B * T)
         freqs = position_ids[:, None, :, None].float() * rope_inv_freq(self.cfg, input_ids.device)  # (B, 1, T, D/2)
         x = self.model.embed_tokens(input_ids)
         cos, sin = freqs.cos().repeat(1, 1, 1, 2).to(x.dtype), freqs.sin().repeat(1, 1, 1, 2).to(x.dtype)
@@ -401,25 +385,17 @@ class Transformer(nn.Module):
         return position_ids, None  # None -> plain causal (SDPA's fast path)
 
     @staticmethod
-    def _shared_prefix(ids, attention_mask, position_ids, prompt_ids, prompt_mask, rows, doc=None):
+    def _shared_prefix(ids, attention_mask, position_ids, prompt_ids, prompt_mask, rows, mask_c=None):
         """-> the flat (1, U*Pp + B*T) ids, their positions, and the SharedPrefix layout. Padded rows need
-        attention_mask (B, Pp + T); packed rows (doc given) need position_ids (B, T)."""
+        attention_mask (B, Pp + T); packed rows (mask_c given, packing.packed_mask) need position_ids (B, T)."""
         (B, T), (U, Pp) = ids.shape, prompt_ids.shape
-        if doc is None:
+        if mask_c is None:
             if attention_mask is None or attention_mask.shape != (B, Pp + T):
                 raise ValueError(f"prefix needs attention_mask (B, Pp + T) = {(B, Pp + T)}")
             position_ids, mask_c = mask_positions(attention_mask)[:, Pp:], padding_mask(attention_mask, Pp, T)
-        else:
-            if position_ids is None or doc.shape != (B, T):
-                raise ValueError(f"packed prefix needs position_ids and doc (B, T) = {(B, T)}")
-            own = torch.where(doc >= 0, rows[doc.clamp(min=0)], -1)  # each token's prompt; -1 = padding
-            see_prompt = (own[:, :, None] == torch.arange(U, device=ids.device).repeat_interleave(Pp)) \
-                & prompt_mask.reshape(1, 1, -1).bool()
-            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-            # same completion, causal; a padding token sees itself only (never nothing: NaN), its output unused
-            see_self = causal & (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0) | torch.eye(
-                T, dtype=torch.bool, device=ids.device)
-            mask_c, rows = torch.cat([see_prompt, see_self], -1)[:, None], None
+        elif position_ids is None or mask_c.shape != (B, 1, T, U * Pp + T):
+            raise ValueError(f"packed prefix needs position_ids (B, T) and mask_c (B, 1, T, U*Pp + T) = "
+                             f"{(B, 1, T, U * Pp + T)}")
         layout = SharedPrefix(U, Pp, B, T, rows, padding_mask(prompt_mask, 0, Pp), mask_c)
         position_ids = torch.cat([mask_positions(prompt_mask).reshape(1, -1), position_ids.reshape(1, -1)], 1)
         return torch.cat([prompt_ids.reshape(1, -1), ids.reshape(1, -1)], 1), position_ids, layout

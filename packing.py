@@ -8,7 +8,7 @@ The model never runs that layout as it is. response_logp takes a micro-batch's r
   left padding trimmed to the longest prompt of the micro-batch;
 - packs the responses: first-fit decreasing into rows as long as the longest response, each response attending to
   its own prompt and to itself causally (a block-diagonal mask), at the positions it has in the padded layout.
-  Packing is taken where model.forward_flops says it computes less than the padded rows, which also pay
+  Packing is taken where forward_flops says it computes less than the padded rows, which also pay
   attention over every prompt of the micro-batch (a dense mask computes the masked pairs too);
 - scatters the logprobs back to (rows, R), zero past each response.
 The result equals the padded rows' logprobs and gradients to float rounding (tests/test_model.py). The trainer
@@ -19,7 +19,18 @@ the token-mean normalisation), and packing the prompts themselves (a micro-batch
 """
 import torch
 
-from model import forward_flops, mask_positions
+from model import ModelConfig, mask_positions
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, attn_pairs: int, logit_tokens: int) -> int:
+    """Matmul FLOPs of one forward pass (2 per multiply-add): every block weight once per token, the lm_head only
+    where logits are taken, and attention's two products (q k^T, then p v) over every (query, key) pair SDPA computes
+    (a dense mask computes the masked pairs too). A backward costs twice a forward, so an update is 3x this: the
+    "6 * params * tokens" rule, counted per part. Norms, RoPE, softmax and the optimizer are left out (not matmuls)."""
+    D, L, hd = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
+    block = D * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads) + 3 * D * cfg.intermediate_size
+    attention = 4 * L * cfg.num_attention_heads * hd * attn_pairs
+    return 2 * (L * block * tokens + D * cfg.vocab_size * logit_tokens) + attention
 
 
 def make_batch(problems, groups, pad_id):
@@ -60,10 +71,25 @@ def pack(lengths, capacity):
     return bins
 
 
+def packed_mask(doc, rows, prompt_mask):
+    """doc (B, T): which completion each packed token is (-1 = padding); rows: each completion's prompt; prompt_mask
+    (U, Pp) -> (B, 1, T, U*Pp + T) bool: a token sees its own prompt's real tokens, then its own completion causally.
+    A padding token sees itself only (never nothing: NaN); its output is unused."""
+    (B, T), (U, Pp), dev = doc.shape, prompt_mask.shape, doc.device
+    own = torch.where(doc >= 0, rows[doc.clamp(min=0)], -1)  # each token's prompt; -1 = padding
+    prompt_of_key = torch.arange(U, device=dev).repeat_interleave(Pp)
+    see_prompt = (own[:, :, None] == prompt_of_key) & prompt_mask.reshape(1, 1, -1).bool()
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    see_self = causal & (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0) | torch.eye(T, dtype=torch.bool,
+                                                                                                   device=dev)
+    return torch.cat([see_prompt, see_self], -1)[:, None]
+
+
 def response_logp(model, batch, rows, temperature, entropy=False, packed=None, stats=None):
     """Policy logprobs (and entropy) of the response tokens of `rows`: (b, R) fp32, 0 past each response.
     packed: None = where it computes fewer FLOPs, or True / False (with a prompt of >= 2 tokens).
-    stats: a dict that sums "tokens" (computed) and "real_tokens" over calls."""
+    stats: a dict that sums "tokens" (computed), "real_tokens" and "flops" (forward_flops of the forward run) over
+    calls."""
     ids, attn, P = batch["ids"][rows], batch["attn"][rows], batch["P"]
     b, R = ids.shape[0], ids.shape[1] - P
     L = attn[:, P:].sum(1)  # response tokens per row; their logprobs come from the inputs at P-1 .. P+L-2
@@ -80,8 +106,9 @@ def response_logp(model, batch, rows, temperature, entropy=False, packed=None, s
     packed_cost = forward_flops(model.cfg, U * Pp + B * T, U * Pp * Pp + B * T * (U * Pp + T), B * T)
     packed = (packed_cost < padded_cost if packed is None else packed) and Pp > 0  # packing needs a prefix
     if stats is not None:
-        stats["tokens"] = stats.get("tokens", 0) + U * Pp + (B if packed else b) * T
-        stats["real_tokens"] = stats.get("real_tokens", 0) + int(p_mask.sum()) + int(L.sum())
+        for k, v in (("tokens", U * Pp + (B if packed else b) * T), ("real_tokens", int(p_mask.sum()) + int(L.sum())),
+                     ("flops", packed_cost if packed else padded_cost)):
+            stats[k] = stats.get(k, 0) + v
     if not packed:
         prefix = (p_ids, p_mask, inv) if Pp > 0 else None
         out = model(x, attention_mask=attn[:, P - 1 - Pp:P - 1 + T], targets=y, temperature=temperature,
@@ -103,7 +130,7 @@ def response_logp(model, batch, rows, temperature, entropy=False, packed=None, s
     src, real = doc.clamp(min=0), doc >= 0
     pos = mask_positions(attn[:, :P - 1 + T])[:, P - 1:]  # each input's position in the padded layout
     out = model(x[src, col], position_ids=pos[src, col] * real, targets=y[src, col], temperature=temperature,
-                return_entropy=entropy, prefix=(p_ids, p_mask, inv, doc))
+                return_entropy=entropy, prefix=(p_ids, p_mask, None, packed_mask(doc, inv, p_mask)))
 
     def unpack(o):  # (B, T) packed -> (b, R) padded, through autograd
         return o.new_zeros(b, R).index_put((doc[real], col[real]), o[real])

@@ -202,7 +202,7 @@ def advantages(r, cfg, lengths):
 
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
     """ppo_epochs x minibatches optimizer steps on this rank's batch; returns summed metrics."""
-    n, model.flops, tokens = len(batch["ids"]), 0, {}  # model.forward_flops, summed over this update's forwards
+    n, tokens = len(batch["ids"]), {}  # computed and real tokens, FLOPs: summed over this update's forwards
     mb_size = math.ceil(n / cfg.train.minibatches)
     sums, num_opt, skipped, first_logp = {}, 0, 0, torch.zeros_like(batch["gen_logp"])
     # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
@@ -252,7 +252,7 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
     sched.step()
     sums = {k: float(v) / cfg.train.ppo_epochs for k, v in sums.items()}
     sums["train/grad_norm"] *= cfg.train.ppo_epochs / num_opt
-    sums["perf/update_gflop"] = 3 * model.flops / 1e9  # forwards + backwards
+    sums["perf/update_gflop"] = 3 * tokens["flops"] / 1e9  # forwards + backwards (packing.forward_flops)
     sums["perf/pad_frac"] = tokens["tokens"] / max(tokens["real_tokens"], 1)  # computed / real (packing.py)
     return sums, skipped, first_logp
 
@@ -284,7 +284,7 @@ def main(argv=None):
         return
     backend = rollout.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
-    machine.resolve_dtype(cfg)  # "auto": measured here, before the engine or the model is built
+    machine.resolve_dtype(cfg, say=roles.rank == 0)  # "auto": measured here, before the engine or the model is built
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)

@@ -5,7 +5,7 @@ run's roofline (machine.roofline):
 
     floor = max(weight bytes / read GB/s, FLOPs / fp32 matmul GFLOP/s) + KV-cache bytes / read GB/s
 
-(the weights are read once per step whatever the batch; the FLOPs are model.forward_flops of the step; the KV cache
+(the weights are read once per step whatever the batch; the FLOPs are packing.forward_flops of the step; the KV cache
 is read once). The step is timed whole (model forward at cache position S, then generator.sample at T = 1), then
 by part, each alone on the same shapes:
 
@@ -41,6 +41,7 @@ import data  # noqa: E402
 import generator  # noqa: E402
 import machine  # noqa: E402
 import model as model_lib  # noqa: E402
+import packing  # noqa: E402
 
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -79,7 +80,7 @@ def step_fns(m, rows, S):
 def floor(cfg, m, rows, S, roof):
     weight_bytes = sum(mod.weight.numel() * 4 for mod in m.modules() if isinstance(mod, torch.nn.Linear))
     kv_bytes = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * (S + 1) * cfg.head_dim * 4
-    flops = model_lib.forward_flops(cfg, rows, rows * (S + 1), rows)
+    flops = packing.forward_flops(cfg, rows, rows * (S + 1), rows)
     gb = roof["read_gbps"] * 1e9
     parts = dict(weights_s=weight_bytes / gb, flops_s=flops / (roof["fp32_gflops"] * 1e9), kv_s=kv_bytes / gb)
     return dict(floor_s=max(parts["weights_s"], parts["flops_s"]) + parts["kv_s"], weight_bytes=weight_bytes,

@@ -15,7 +15,7 @@ content). Each variant builds its own model and optimizer, runs one untimed upda
     chunk_<n>      fsdp_fp32 with the logprob/entropy chunk at n tokens instead of 1024
     compile        plain_fp32 under torch.compile (needs a C++ compiler)
 
-Reported per variant: median update seconds, its achieved GFLOP/s (model.forward_flops x 3) against a fp32 and a
+Reported per variant: median update seconds, its achieved GFLOP/s (packing.forward_flops x 3) against a fp32 and a
 bf16 2048^3 matmul measured in the same run, the optimizer step's share, the reference forward (no grad) in the
 same precision, and |logp - logp_fp32| on the batch's response tokens (the mismatch bf16 costs). --profile adds
 torch.profiler's top operators by self CPU time of one extra, untimed update of the first variant and fsdp_bf16.
@@ -117,16 +117,16 @@ def time_update(m, opt, sched, loss_fn, batch, adv, cfg, repeats, prof=None):
         opt_s.append(time.perf_counter() - t0)
         return out
     opt.step = timed_step
-    times, inner = [], getattr(m, "_orig_mod", m)  # a compiled model counts its FLOPs in the module it wraps
+    times = []
     for i in range(repeats + 1):  # the first is untimed: warm-up (and compilation)
-        inner.flops, t0 = 0, time.perf_counter()
+        t0 = time.perf_counter()
         sums = train_grpo.update(m, opt, sched, loss_fn, batch, adv, None, None, cfg, "cpu", i)[0]
         times.append(time.perf_counter() - t0)
-    gflop = 3 * inner.flops / 1e9  # one update's forwards + backwards
     if prof is not None:  # one more, profiled, outside the timings (the profiler slows what it records)
         with prof:
             train_grpo.update(m, opt, sched, loss_fn, batch, adv, None, None, cfg, "cpu", repeats + 1)
-    return statistics.median(times[1:]), statistics.median(opt_s[1:repeats + 1]), times[0], sums["perf/pad_frac"], gflop
+    return (statistics.median(times[1:]), statistics.median(opt_s[1:repeats + 1]), times[0], sums["perf/pad_frac"],
+            sums["perf/update_gflop"])
 
 
 def top_ops(prof, n=15):

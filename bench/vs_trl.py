@@ -32,7 +32,7 @@ AdamW) / sync (weights to the generator) / other (the step minus the rest: rewar
 step_time_ratio = nanoforge / TRL and rss_ratio. And a roofline, measured in the same run before each workload
 (machine.roofline: CPU capability, cores, memory read GB/s, a 2048^3 matmul's GFLOP/s in fp32 and, where this CPU
 has a bf16 path, bf16), the update's achieved GFLOP/s (perf/update_gflop / update seconds, FLOPs
-counted by model.forward_flops: 6 x block params x computed tokens + 6 x lm_head x response tokens + attention's
+counted by packing.forward_flops: 6 x block params x computed tokens + 6 x lm_head x response tokens + attention's
 12 x layers x heads x head_dim per (query, key) pair SDPA computes) and its ratio to the fp32 matmul.
 
 TRL lives in its own venv, bench/.venv-trl (created on first use: trl and accelerate pinned, everything else - CPU

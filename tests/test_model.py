@@ -4,13 +4,11 @@ peak memory for the chunked logprob head."""
 import itertools
 import json
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import model as M
 from model import KVCache, ModelConfig, Transformer, chunked_logprobs
 
 V = 96
@@ -424,17 +422,20 @@ def test_packed_update_equals_the_padded_batch(family):
         assert err(got[2][n], ref[2][n]) <= 1e-5, n
     # 27 response tokens in 3 rows of 9 (9 | 7 2 | 5 3 1; the empty one nowhere), the prompts but their last token
     # once each (8 + 3 + 5 real, left-padded to 8)
-    assert stats == {"tokens": 3 * 8 + 3 * 9, "real_tokens": 16 + 27}
+    assert (stats["tokens"], stats["real_tokens"]) == (3 * 8 + 3 * 9, 16 + 27)  # stats["flops"]: the test below
     assert packing.response_logp(m, batch, rows, 0.7, packed=None, stats={}).shape == (7, 9)  # the cheaper one
-    with pytest.raises(ValueError, match="packed prefix needs position_ids and doc"):
-        m(ids[:2, P - 1:-1], targets=ids[:2, P:], prefix=(ids[:1, :P - 1], attn[:1, :P - 1], rows[:1], rows[:2, None]))
+    with pytest.raises(ValueError, match=r"packed prefix needs position_ids \(B, T\) and mask_c"):
+        m(ids[:2, P - 1:-1], targets=ids[:2, P:], prefix=(ids[:1, :P - 1], attn[:1, :P - 1], None, attn[:2, None]))
 
 
-@pytest.mark.parametrize("layout", ["padded", "shared_prefix", "packed"])
+@pytest.mark.parametrize("layout", ["no_prefix", "shared_prefix", "packed"])
 def test_forward_flops_equals_torch_flop_counter(layout):
-    """model.forward_flops (what the trainer logs as perf/update_gflop) against what the forward dispatches: torch's
-    FlopCounterMode for the matmuls (it does not count CPU attention), and for attention 4 * q.numel() * keys from
-    the shapes of every SDPA call seen. GQA, a tied head, left padding (SDPA computes the masked pairs too)."""
+    """packing.forward_flops, summed by response_logp into stats["flops"] (what the trainer logs as
+    perf/update_gflop), against what the forward dispatches: torch's FlopCounterMode for the matmuls (it does not
+    count CPU attention), and for attention 4 * q.numel() * keys from the shapes of every SDPA call seen. GQA, a
+    tied head, prompts and responses of different lengths (SDPA computes the masked pairs too)."""
+    import packing
+    from generator import Completion
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -447,20 +448,14 @@ def test_forward_flops_equals_torch_flop_counter(layout):
                 self.flops += 4 * q.numel() * k.shape[-2]
             return func(*args, **(kwargs or {}))
     m = our_model("llama", tied=True, heads=4, kv_heads=2, head_dim=16, layers=3)
-    B, P, R = 6, 9, 7
-    ids, attn = rand_ids(B, P + R), torch.ones(B, P + R, dtype=torch.long)
-    attn[:2, :3] = 0
-    rows = torch.tensor([0, 0, 0, 1, 1, 1])
-    m.flops = 0
+    plens = [1, 1] if layout == "no_prefix" else [9, 4]  # a 1-token prompt leaves no prefix to share
+    prompts = [rand_ids(1, n, seed=70 + i)[0].tolist() for i, n in enumerate(plens)]
+    groups = [[Completion(p, rand_ids(1, n, seed=80 + 3 * i + j)[0].tolist(), "", [0.0] * n, "stop", 0)
+               for j, n in enumerate(ns)] for i, (p, ns) in enumerate(zip(prompts, [[7, 3, 2], [4, 3, 1]]))]
+    batch = packing.make_batch([{"prompt_ids": p} for p in prompts], groups, pad_id=0)
+    stats = {}
     with FlopCounterMode(display=False) as counter, AttentionFlops() as att, torch.no_grad():
-        if layout == "shared_prefix":
-            m(ids[:, P - 1:-1], attention_mask=attn[:, :-1], targets=ids[:, P:],
-              prefix=(ids[[0, 3], :P - 1], attn[[0, 3], :P - 1], rows))
-        elif layout == "packed":  # 4 completions in 2 rows, each token attends to all prompts' keys
-            doc = torch.tensor([[0, 0, 0, 1, 1, 1, -1], [2, 2, 2, 2, 3, 3, 3]])
-            m(ids[:2, P - 1:-1], position_ids=torch.tensor([[8, 9, 10, 8, 9, 10, 0], [8, 9, 10, 11, 8, 9, 10]]),
-              targets=ids[:2, P:], prefix=(ids[[0, 3], :P - 1], attn[[0, 3], :P - 1], torch.tensor([0, 0, 1, 1]), doc))
-        else:
-            m(ids[:, :-1], attention_mask=attn[:, :-1], targets=ids[:, 1:])
+        packing.response_logp(m, batch, torch.arange(6), 1.0, packed=layout == "packed", stats=stats)
     assert att.flops > 0 and set(counter.get_flop_counts()["Global"]) == {torch.ops.aten.mm}
-    assert m.flops == counter.get_total_flops() + att.flops
+    assert stats["flops"] == counter.get_total_flops() + att.flops
+    assert stats["tokens"] == {"no_prefix": 6 * 7, "shared_prefix": 2 * 8 + 6 * 7, "packed": 2 * 8 + 3 * 7}[layout]
