@@ -15,7 +15,6 @@ import importlib.util
 import inspect
 import json
 import math
-import os
 import random
 import re
 import sys

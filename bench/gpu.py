@@ -23,7 +23,6 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
 """
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile

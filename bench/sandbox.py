@@ -14,7 +14,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import machine  # noqa: E402
 import rewards  # noqa: E402
-import run  # noqa: E402
 import sandbox  # noqa: E402
 
 
