@@ -93,8 +93,9 @@ def choose_dtype(device_type: str, fp32_gflops: float = 0.0, bf16_gflops: float 
                    f"bf16 needs >= {BF16_MIN_SPEEDUP}x)")
 
 
-def resolve_dtype(cfg) -> None:
-    """Replace cfg.model.dtype = "auto" by the dtype this machine runs faster, and say which and why."""
+def resolve_dtype(cfg, say: bool = True) -> None:
+    """Replace cfg.model.dtype = "auto" by the dtype this machine runs faster, and say which and why (say: rank 0
+    only, since every rank measures for itself; dist.agree then checks that they chose alike)."""
     if cfg.model.dtype != "auto":
         return
     if torch.cuda.device_count():
@@ -103,7 +104,8 @@ def resolve_dtype(cfg) -> None:
         p = probe_dtype()
         dtype, why = choose_dtype("cpu", p["float32"], p["bfloat16"])
     cfg.model.dtype = dtype
-    print(f"model.dtype=auto -> {dtype}: {why}", flush=True)
+    if say:
+        print(f"model.dtype=auto -> {dtype}: {why}", flush=True)
 
 
 def thread_budget(cores, local_procs: int, local_rank: int) -> list[int]:

@@ -218,7 +218,7 @@ def main(argv=None):
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     roles = dist.get_roles(0)  # SFT has no generator ranks: every rank trains
-    machine.resolve_dtype(cfg)  # "auto": measured here, before the model is built
+    machine.resolve_dtype(cfg, say=roles.rank == 0)  # "auto": measured here, before the model is built
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)

@@ -38,6 +38,9 @@ def test_probe_is_cheap_and_resolve_only_touches_auto(capsys):
     machine.resolve_dtype(cfg)
     assert cfg.model.dtype in ("float32", "bfloat16") and torch.get_num_threads() == threads
     assert f"model.dtype=auto -> {cfg.model.dtype}: " in capsys.readouterr().out  # says what and why
+    cfg = train_grpo.parse_config(["--model.dtype=auto"])
+    machine.resolve_dtype(cfg, say=False)  # a rank other than 0: it measures and chooses, silently
+    assert cfg.model.dtype in ("float32", "bfloat16") and capsys.readouterr().out == ""
     cfg = SimpleNamespace(model=SimpleNamespace(dtype="float32"))
     machine.resolve_dtype(cfg)
     assert cfg.model.dtype == "float32" and capsys.readouterr().out == ""
