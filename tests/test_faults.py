@@ -10,7 +10,8 @@ checkpoint points, which use the checkpoint's step number.
 Runs are shared to fit the time budget: one 2-rank SFT run (with a NaN step) is the oracle for an SFT run killed
 mid-checkpoint and resumed, and its export is the GRPO start (so rewards and gradients are not all zero); one GRPO
 run is the oracle for a GRPO run killed twice (generator rank mid-generation, trainer rank mid-optimizer step) and
-resumed twice. Oracle: deterministic mode reproduces the uninterrupted run's metrics and prompt ids step for step.
+resumed twice (past a partial checkpoint), and the check of everything a dedicated-generator run logs. Oracle:
+deterministic mode reproduces the uninterrupted run's metrics and prompt ids step for step.
 """
 import json
 import math
@@ -43,6 +44,11 @@ GRPO = ["configs/tiny.py", "--dist.generator_ranks=1", "--rollout.backend=vllm",
         f"--train.steps={GRPO_STEPS}", "--ckpt.every=2", "--train.deterministic=true", "--optim.warmup_steps=2",
         "--optim.schedule=cosine", "--optim.lr=3e-3", "--optim.weight_decay=0.1", "--loss.entropy_coef=0.01",
         "--data.min_digits=1", "--data.max_digits=1", "--log.plot_every_s=1e9"]
+# every trained row logs these, finite (a step made NaN on purpose aside)
+LOGGED = ["rollout/reward_mean", "rollout/reward_std", "rollout/accuracy", "rollout/response_len", "loss/pg",
+          "loss/clip_frac", "loss/kl", "loss/entropy", "train/grad_norm", "train/lr", "mismatch/abs_diff",
+          "mismatch/kl", "rollout/staleness", "perf/gen_s", "perf/train_s", "perf/sync_s", "perf/step_s",
+          "perf/tokens_per_s", "train/skipped_steps", "rewards/math_errors"]
 # metrics that depend on the weights, the optimizer state, the schedule, the data and the sampling seeds
 GRPO_KEYS = ["rollout/reward_mean", "rollout/response_len", "loss/entropy", "loss/pg", "train/grad_norm", "train/lr",
              "train/skipped_steps", "rollout/staleness", "eval/pass@1"]
@@ -170,9 +176,32 @@ def grpo(sft):
     res["prompts_gen"] = rows(out, "rl_k", "prompts.jsonl")
     res["kill_opt"] = launch("train_grpo.py", common, out, "rl_k", fault="nan@2,kill_opt@4")
     res["ckpts_opt"] = checkpoints(out, "rl_k")
+    (out / "rl_k" / "ckpt" / "step_6.tmp").mkdir()  # a partial checkpoint, as a kill mid-write leaves: ignored
     res["resumed"] = ok(launch("train_grpo.py", common, out, "rl_k", fault="nan@2"))
     res["out"] = out
     return res
+
+
+@pytest.mark.slow
+def test_grpo_dedicated_generator_rank_logs_every_metric(grpo):
+    """The uninterrupted run, 1 trainer + 1 vLLM rank: what each step logs, the thread budget, the outputs."""
+    out = grpo["out"]
+    # the thread budget (machine.set_threads): the ranks' shares never add up past the cores, and they are disjoint
+    # (the vLLM rank's engine binds its OpenMP threads to its share, VLLM_CPU_OMP_THREADS_BIND: tests/test_machine.py)
+    cores = len(os.sched_getaffinity(0))
+    shares = {int(r): json.loads(c) for r, c in
+              re.findall(r"threads: rank (\d) takes \d+ of \d+ cores \(cpus (\[[\d, ]*\])", grpo["ref"])}
+    assert sorted(shares) == [0, 1] and sum(map(len, shares.values())) <= cores, shares
+    assert cores < 2 or not set(shares[0]) & set(shares[1]), shares
+    all_rows, ref = rows(out, "rl"), train_rows(out, "rl")
+    for r in ref:
+        for k in LOGGED:  # step 3's loss is made NaN (nan@2), after the loss terms are logged: its gradient is NaN
+            assert k in r and (math.isfinite(r[k]) or r["step"] == 3 and k == "train/grad_norm"), (r["step"], k, r.get(k))
+        assert r["mismatch/abs_diff"] < 1e-3  # vLLM and the trainer compute the same logprobs
+    assert "eval/pass@1" in all_rows[0] and "eval/pass@1" in ref[-1]
+    assert (out / "rl" / "hf" / "config.json").exists() and (out / "rl" / "curves.png").exists()
+    cfg = json.loads((out / "rl" / "config.json").read_text())
+    assert cfg["train"]["steps"] == GRPO_STEPS and cfg["dist"]["generator_ranks"] == 1
 
 
 @pytest.mark.slow
@@ -192,6 +221,8 @@ def test_grpo_sigkill_generator_and_trainer_then_resume_reproduces_the_run(grpo)
     assert "continuing at step 3 of 6" in log
     assert grpo["ckpts_opt"] == ["step_2", "step_4"]
     assert "continuing at step 5 of 6" in grpo["resumed"]
+    assert "removing partial checkpoint" in grpo["resumed"] and "step_6.tmp" in grpo["resumed"]
+    assert checkpoints(out, "rl_k") == ["step_2", "step_4", "step_6"]
     # the resumed run is the uninterrupted one: same metrics (the restored weights reached the generator before
     # it generated: staleness 0 and equal rewards/lengths), the same skipped step, the same prompts, each once
     same(rows(out, "rl_k"), rows(out, "rl"), GRPO_KEYS, rel=1e-6)
