@@ -297,7 +297,7 @@ class TorchGenerator:
         self.rng = torch.Generator(self.device).manual_seed(seed)
 
     def fast_linears(self, rows):  # machine.onednn_weights: per weight version; per call for a shared module
-        use = self.onednn and (self.dtype or torch.float32) == torch.float32
+        use = self.onednn and self.dtype in (None, next(self.model.parameters()).dtype)  # not fp32 weights run in bf16
         packed = {} if not use else self._packed if self._own and self._packed else \
             machine.onednn_weights(self.model, rows)
         self._packed = packed if self._own else None

@@ -14,8 +14,8 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
   (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
   workers run one thread each, while the trainer waits for their scores.
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
-  the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there (the torch generator
-  uses them in fp32; bench/decode.py).
+  the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there in fp32, 1.5x in bf16
+  where oneDNN has bf16 kernels (the torch generator uses them; bench/decode.py).
 - `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
   cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
 """
@@ -169,14 +169,15 @@ ONEDNN_MIN_WEIGHT = 1 << 18
 
 def onednn_weights(model, rows: int) -> dict:
     """{nn.Linear: its weight reordered for oneDNN's matmul at about `rows` rows} for the Linears big enough to gain;
-    {} where it does not apply: a GPU, a dtype other than fp32 (bf16 has no fast path on AVX2), sharded (DTensor)
-    weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
+    {} where it does not apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16,
+    sharded (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
     from torch.distributed.tensor import DTensor
     if not torch.backends.mkldnn.is_available():
         return {}
+    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
     return {mod: torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows) for mod in model.modules()
             if isinstance(mod, torch.nn.Linear) and not isinstance(mod.weight, DTensor)
-            and mod.weight.device.type == "cpu" and mod.weight.dtype == torch.float32
+            and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes
             and mod.weight.numel() >= ONEDNN_MIN_WEIGHT}
 
 

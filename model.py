@@ -233,16 +233,18 @@ class Attention(nn.Module):
             kv_cache.v[self.layer_idx, :, :, cache_pos:cache_pos + T] = v
             k = kv_cache.k[self.layer_idx, :, :, :cache_pos + T]
             v = kv_cache.v[self.layer_idx, :, :, :cache_pos + T]
-        dtype = q.dtype
+        dtype, gqa = q.dtype, q.shape[1] != k.shape[1]
         if dtype == torch.bfloat16 and q.device.type == "cpu" and kv_cache is None:
-            # CPU's bf16 flash-attention backward runs at a fraction of its fp32 speed (measured 4x, bench/update.py);
-            # attention is a few % of the FLOPs, so training attends in fp32 (the generator keeps its bf16 cache)
+            # CPU's bf16 flash-attention backward: 4x slower than fp32's (bench/update.py), for a few % of the FLOPs
             q, k, v = q.float(), k.float(), v.float()
         if isinstance(mask, SharedPrefix):
             y = mask.attend(q, k, v)
+        elif T == 1 and kv_cache is not None and dtype == torch.bfloat16 and q.device.type == "cpu" and gqa:
+            # decode: a KV head's query heads as its rows (CPU bf16 SDPA with enable_gqa: 4x slower, bench/decode.py)
+            q_kv = q.view(B, k.shape[1], -1, self.head_dim)  # (B, H_kv, H / H_kv, D)
+            y = F.scaled_dot_product_attention(q_kv, k, v, attn_mask=mask).view(q.shape)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(y.to(dtype).transpose(1, 2).reshape(B, T, -1))
 
 

@@ -26,6 +26,7 @@ with each matmul lever.
     .venv/bin/python bench/decode.py --batches 4 --rounds 1 --context 64 --no-generate   # smoke run
 """
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -47,17 +48,18 @@ GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def step_fns(m, rows, S):
-    """The step and its parts as zero-argument callables on one (rows, S + 1) cache of random values."""
-    cfg = m.cfg
+    """The step and its parts as zero-argument callables on one (rows, S + 1) cache of random values, in the
+    model's dtype (the generator's compute dtype: its KV cache and activations follow its weights)."""
+    cfg, dt = m.cfg, next(m.parameters()).dtype
     L, H, Hk, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cache = model_lib.KVCache(cfg, rows, S + 1, torch.float32, "cpu")
+    cache = model_lib.KVCache(cfg, rows, S + 1, dt, "cpu")
     cache.k.normal_(), cache.v.normal_()
     mask = torch.ones(rows, S + 1, dtype=torch.long)
     tok, pos = torch.randint(0, cfg.vocab_size, (rows, 1)), torch.full((rows, 1), S)
     rng, logits = torch.Generator().manual_seed(0), torch.randn(rows, cfg.vocab_size)
     linears = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear)]
-    xs = [torch.randn(rows, 1, lin.in_features) for lin in linears]
-    q, k, v = torch.randn(rows, H, 1, D), torch.randn(rows, Hk, 1, D), torch.randn(rows, Hk, 1, D)
+    xs = [torch.randn(rows, 1, lin.in_features, dtype=dt) for lin in linears]
+    q, k, v = (torch.randn(rows, h, 1, D, dtype=dt) for h in (H, Hk, Hk))
     am = model_lib.padding_mask(mask, S, 1)
 
     def step():
@@ -78,17 +80,54 @@ def step_fns(m, rows, S):
 
 
 def floor(cfg, m, rows, S, roof):
-    weight_bytes = sum(mod.weight.numel() * 4 for mod in m.modules() if isinstance(mod, torch.nn.Linear))
-    kv_bytes = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * (S + 1) * cfg.head_dim * 4
+    """In the model's dtype: bf16 halves the bytes and runs its FLOPs at the roofline's bf16 matmul rate."""
+    size, rate = (2, roof["bf16_gflops"]) if next(m.parameters()).dtype == torch.bfloat16 else (4, roof["fp32_gflops"])
+    weight_bytes = sum(mod.weight.numel() * size for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+    kv_bytes = 2 * cfg.num_hidden_layers * rows * cfg.num_key_value_heads * (S + 1) * cfg.head_dim * size
     flops = packing.forward_flops(cfg, rows, rows * (S + 1), rows)
     gb = roof["read_gbps"] * 1e9
-    parts = dict(weights_s=weight_bytes / gb, flops_s=flops / (roof["fp32_gflops"] * 1e9), kv_s=kv_bytes / gb)
+    parts = dict(weights_s=weight_bytes / gb, flops_s=flops / (rate * 1e9), kv_s=kv_bytes / gb)
     return dict(floor_s=max(parts["weights_s"], parts["flops_s"]) + parts["kv_s"], weight_bytes=weight_bytes,
                 kv_bytes=kv_bytes, gflop=flops / 1e9, **parts)
 
 
 def summary(samples):
     return dict(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples), samples=samples)
+
+
+def time_step(m, cfg, rows, S, roof, rounds):
+    """The step and its parts, each lever in every round; medians, floor and each lever's rest and step / floor."""
+    fns = step_fns(m, rows, S)
+    packed = machine.onednn_weights(m, rows)
+    samples = {}
+    for _ in range(rounds):
+        for lever, weights in (("linear", {}), ("onednn", packed)):
+            with machine.linears_on(weights):
+                for part in ("step", "matmuls"):
+                    samples.setdefault(f"{part}_{lever}", []).append(machine._best_s(fns[part]))
+        for part in ("attention_gqa", "attention_grouped", "sampling"):
+            samples.setdefault(part, []).append(machine._best_s(fns[part]))
+    r = {k: summary(v) for k, v in samples.items()}
+    med = {k: v["median_s"] for k, v in r.items()}
+    fl = floor(cfg, m, rows, S, roof)
+    att = "attention_grouped" if next(m.parameters()).dtype == torch.bfloat16 else "attention_gqa"  # model.Attention's
+    for lever in ("linear", "onednn"):
+        r[f"rest_{lever}_s"] = med[f"step_{lever}"] - med[f"matmuls_{lever}"] - med[att] - med["sampling"]
+        r[f"step_{lever}_over_floor"] = med[f"step_{lever}"] / fl["floor_s"]
+    return dict(rows=rows, context=S, dtype=str(next(m.parameters()).dtype)[6:], onednn_linears=len(packed),
+                attention=att, floor=fl, **r)
+
+
+def print_step(r, dt):
+    fl, med = r["floor"], {k: v["median_s"] for k, v in r.items() if isinstance(v, dict) and "median_s" in v}
+    print(f"\n{r['rows']} rows, {r['context'] + 1} positions, {dt}: floor {fl['floor_s'] * 1e3:.1f} ms (weights "
+          f"{fl['weights_s'] * 1e3:.1f}, FLOPs {fl['flops_s'] * 1e3:.1f}, KV {fl['kv_s'] * 1e3:.1f})")
+    for lever in ("linear", "onednn"):
+        print(f"  {lever:7s} step {med[f'step_{lever}'] * 1e3:7.1f} ms = "
+              f"{r[f'step_{lever}_over_floor']:.2f} x floor | matmuls {med[f'matmuls_{lever}'] * 1e3:6.1f}, "
+              f"attention: gqa {med['attention_gqa'] * 1e3:5.1f}, grouped {med['attention_grouped'] * 1e3:5.1f} "
+              f"({r['attention'][10:]} runs), "
+              f"sampling {med['sampling'] * 1e3:4.1f}, rest {r[f'rest_{lever}_s'] * 1e3:5.1f}", flush=True)
 
 
 def time_generate(gen, prompts, max_tokens, rounds):
@@ -123,46 +162,29 @@ def main():
     roof = machine.roofline([(b, cfg.hidden_size, cfg.intermediate_size) for b in a.batches])
     print(f"read {roof['read_gbps']:.1f} GB/s, fp32 2048^3 matmul {roof['fp32_gflops']:.0f} GFLOP/s, "
           f"{roof['threads']} threads, {roof['cpu_capability']}", flush=True)
+    # bf16 too where the probe found a hardware bf16 path (on AVX2 a bf16 step takes minutes: not timed there)
+    models = {"fp32": m, **({"bf16": copy.deepcopy(m).to(torch.bfloat16)} if roof["dtype_probe"]["bf16_path"] else {})}
     results = {}
     with torch.no_grad():
-        for rows in a.batches:
-            fns = step_fns(m, rows, S)
-            packed = machine.onednn_weights(m, rows)
-            samples = {}
-            for _ in range(a.rounds):
-                for lever, weights in (("linear", {}), ("onednn", packed)):
-                    with machine.linears_on(weights):
-                        for part in ("step", "matmuls"):
-                            samples.setdefault(f"{part}_{lever}", []).append(machine._best_s(fns[part]))
-                for part in ("attention_gqa", "attention_grouped", "sampling"):
-                    samples.setdefault(part, []).append(machine._best_s(fns[part]))
-            r = {k: summary(v) for k, v in samples.items()}
-            med = {k: v["median_s"] for k, v in r.items()}
-            fl = floor(cfg, m, rows, S, roof)
-            for lever in ("linear", "onednn"):
-                rest = med[f"step_{lever}"] - med[f"matmuls_{lever}"] - med["attention_gqa"] - med["sampling"]
-                r[f"rest_{lever}_s"] = rest
-                r[f"step_{lever}_over_floor"] = med[f"step_{lever}"] / fl["floor_s"]
-            results[f"rows_{rows}"] = dict(rows=rows, context=S, floor=fl, **r)
-            print(f"\n{rows} rows, {S + 1} positions: floor {fl['floor_s'] * 1e3:.1f} ms (weights "
-                  f"{fl['weights_s'] * 1e3:.1f}, FLOPs {fl['flops_s'] * 1e3:.1f}, KV {fl['kv_s'] * 1e3:.1f})")
-            for lever in ("linear", "onednn"):
-                print(f"  {lever:7s} step {med[f'step_{lever}'] * 1e3:7.1f} ms = "
-                      f"{r[f'step_{lever}_over_floor']:.2f} x floor | matmuls {med[f'matmuls_{lever}'] * 1e3:6.1f}, "
-                      f"attention {med['attention_gqa'] * 1e3:5.1f} (grouped {med['attention_grouped'] * 1e3:5.1f}), "
-                      f"sampling {med['sampling'] * 1e3:4.1f}, rest {r[f'rest_{lever}_s'] * 1e3:5.1f}", flush=True)
+        for dt, mm in models.items():
+            for rows in a.batches:
+                key = f"rows_{rows}" + ("" if dt == "fp32" else f"_{dt}")
+                results[key] = time_step(mm, cfg, rows, S, roof, a.rounds)
+                print_step(results[key], dt)
     if not a.no_generate:
         tok = data.Tokenizer(path)
         qs = [json.loads(line)["question"] for line in open(GSM8K_TEST)][:2]
         prompts = [data.prompt_ids(tok, q) for q in qs]
-        t0 = time.perf_counter()
-        machine.onednn_weights(m, 16)
-        results["reorder_s"] = time.perf_counter() - t0
-        results["generate_s_per_token"] = time_generate(gen, prompts, a.generate_tokens, a.rounds)
-        g = results["generate_s_per_token"]
-        print(f"\ngenerate 2 GSM8K prompts x 8 x {a.generate_tokens} tokens, s per token: onednn "
-              f"{g['onednn']['median_s']:.3f}, linear {g['linear']['median_s']:.3f} (reordering the weights "
-              f"{results['reorder_s']:.2f} s a call)")
+        for dt, mm in models.items():  # the bf16 generator holds its own bf16 copy, as rollout.build_generator makes
+            g = gen if dt == "fp32" else generator.TorchGenerator(mm, tokenizer_path=str(path), max_model_len=1024)
+            t0 = time.perf_counter()
+            machine.onednn_weights(mm, 16)
+            sfx = "" if dt == "fp32" else f"_{dt}"
+            results["reorder_s" + sfx] = time.perf_counter() - t0
+            res = results["generate_s_per_token" + sfx] = time_generate(g, prompts, a.generate_tokens, a.rounds)
+            print(f"\ngenerate 2 GSM8K prompts x 8 x {a.generate_tokens} tokens, {dt}, s per token: onednn "
+                  f"{res['onednn']['median_s']:.3f}, linear {res['linear']['median_s']:.3f} (reordering the weights "
+                  f"{results['reorder_s' + sfx]:.2f} s a call)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(dict(machine=roof, date=time.strftime("%Y-%m-%d %H:%M"), **results), indent=2)
                            + "\n")
