@@ -17,7 +17,9 @@ by part, each alone on the same shapes:
 Levers, side by side in the same run: `linear` (F.linear, the generator before) against `onednn` (the weights
 reordered for oneDNN, machine.onednn_weights: what the generator runs on CPU in fp32); attention `gqa` (SDPA with
 enable_gqa, what model.Attention runs) against `grouped` (the query heads that share a KV head folded into SDPA's
-query dimension). Each figure is the median over --rounds rounds of the best of 3 calls (machine._best_s), every
+query dimension). Where the roofline finds a bf16 path, all of it again on a bf16 copy of the model (keys `*_bf16`;
+the floor at 2 bytes a value and the bf16 matmul rate; model.Attention runs `grouped` there). Each figure is the
+median over --rounds rounds of the best of 3 calls (machine._best_s), every
 variant measured in every round (so a busy minute on a shared box hits them alike); min and max are kept. Unless
 --no-generate, whole generate() calls on a GRPO-shaped batch (2 GSM8K prompts x 8 samples at T = 1) are timed too,
 with each matmul lever.
@@ -45,6 +47,7 @@ import model as model_lib  # noqa: E402
 import packing  # noqa: E402
 
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+SUFFIX = {"fp32": "", "bf16": "_bf16"}  # result keys: fp32's as before bf16 was timed
 
 
 def step_fns(m, rows, S):
@@ -168,7 +171,7 @@ def main():
     with torch.no_grad():
         for dt, mm in models.items():
             for rows in a.batches:
-                key = f"rows_{rows}" + ("" if dt == "fp32" else f"_{dt}")
+                key = f"rows_{rows}" + SUFFIX[dt]
                 results[key] = time_step(mm, cfg, rows, S, roof, a.rounds)
                 print_step(results[key], dt)
     if not a.no_generate:
@@ -179,7 +182,7 @@ def main():
             g = gen if dt == "fp32" else generator.TorchGenerator(mm, tokenizer_path=str(path), max_model_len=1024)
             t0 = time.perf_counter()
             machine.onednn_weights(mm, 16)
-            sfx = "" if dt == "fp32" else f"_{dt}"
+            sfx = SUFFIX[dt]
             results["reorder_s" + sfx] = time.perf_counter() - t0
             res = results["generate_s_per_token" + sfx] = time_generate(g, prompts, a.generate_tokens, a.rounds)
             print(f"\ngenerate 2 GSM8K prompts x 8 x {a.generate_tokens} tokens, {dt}, s per token: onednn "
