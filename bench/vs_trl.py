@@ -16,8 +16,8 @@ What is held equal (TRL defaults that differ are pinned, see trl_worker; both re
     loss            token-mean over the whole batch (TRL loss_type="dapo"; nanoforge grpo agg="token_mean"),
                     advantages (r - mean) / (std + 1e-4) per group (TRL scale_rewards="group"), entropy computed
                     on every training forward by both, no truncation masking, k3 KL to the reference
-    precision       fp32 everywhere (TRL: bf16=False, gradient_checkpointing=False on CPU); --bf16 adds TRL with
-                    bf16=True, beside nanoforge's "bf16" variant
+    precision       fp32 everywhere (TRL: bf16=False, gradient_checkpointing=False on CPU); --bf16 also runs TRL
+                    with bf16=True after it, beside nanoforge's "bf16" variant
 
 Generation: TRL runs its transformers-generate path (its vLLM colocate mode crashes on CPU at the first weight
 sync). nanoforge runs (VARIANTS) its CPU default "torch" (one process, the torch generator colocated), "bf16" (the
@@ -190,10 +190,10 @@ def split(rows, lo, hi):
     return dict(step_s=med("step"), parts_s=parts, steps_measured=f"{lo}..{hi}")
 
 
-def run_trl(py, ckpt, size, wl, a, tmp):
+def run_trl(py, ckpt, size, wl, a, tmp, bf16):
     out = Path(tmp) / f"trl_{size}_{wl}.json"
     cmd = [str(py), __file__, "--trl-worker", "--ckpt", str(ckpt), "--steps", str(a.steps), "--size", size,
-           "--workload", wl, "--out", str(out), "--tmp", str(Path(tmp) / "trl_out"), *(["--bf16"] if a.bf16 else [])]
+           "--workload", wl, "--out", str(out), "--tmp", str(Path(tmp) / "trl_out"), *(["--bf16"] if bf16 else [])]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout)
     if res.returncode != 0:
@@ -286,8 +286,8 @@ def main():
     p.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--ckpt", "--tmp", "--size", "--workload"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
-    p.add_argument("--bf16", action="store_true", help="TRL with bf16=True (autocast over fp32 weights), kept as "
-                                                          "trl_bf16 beside fp32 TRL; nanoforge's bf16 is a variant")
+    p.add_argument("--bf16", action="store_true", help="TRL with bf16=True (autocast over fp32 weights) too, after "
+                                                          "fp32 TRL, kept as trl_bf16; nanoforge's bf16 is a variant")
     p.add_argument("--table", action="store_true", help="print --out as a markdown table and exit")
     a = p.parse_args()
     if a.trl_worker:
@@ -321,10 +321,11 @@ def main():
                            beta=w.get("beta", 0.0), data="gsm8k" if w.get("data") else "arith", lr=SIZES[size]["lr"])
                 # the roofline, measured beside the runs it judges
                 roof = {**machine.roofline(), "date": time.strftime("%Y-%m-%d %H:%M")}
-                if "trl" in a.sides:
-                    side = "trl_bf16" if a.bf16 else "trl"  # the ratios stay against fp32 TRL
-                    res[side] = {**run_trl(py, ckpt, size, wl, a, tmp), "roofline": roof}
-                    print(f"[{key}] TRL: step {res[side]['step_s']:.2f} s", flush=True)
+                trl_runs = ([False, True] if a.bf16 else [False]) if "trl" in a.sides else []
+                for bf16 in trl_runs:
+                    side = "trl_bf16" if bf16 else "trl"  # the ratios stay against fp32 TRL
+                    res[side] = {**run_trl(py, ckpt, size, wl, a, tmp, bf16), "roofline": roof}
+                    print(f"[{key}] {side}: step {res[side]['step_s']:.2f} s", flush=True)
                 if "nanoforge" in a.sides:
                     for v in a.variants or SIZES[size]["variants"]:
                         extra, nproc = variants[v]
