@@ -126,8 +126,9 @@ def num_params(model_path) -> int:
 # recipe points the same way (bench/step.py: generation 0.42 s with the colocated torch generator vs 0.76 s on a
 # vLLM rank). NOTE: a later run measured the other way at 135M (bench/vs_trl.py, one run each, colocated): vLLM in
 # process generated 4 x 8 x 40 tokens in 5.8 s against torch's 6.5 s (steps equal: 17.6 vs 17.9 s) and 2 GSM8K x 8 x
-# 128 tokens in 12.4 s against 20.2 s. The rule is not changed on one run; vLLM there also needs rollout.kv_cache_mb
-# sized to the batch (the 128 MB default holds ~2.8k fp32 tokens at 135M), so the long case is a documented flag.
+# 128 tokens in 12.4 s against 20.2 s; on a second box (AMD AVX-512 BF16, after the torch decode changes) long again:
+# 12.1 against 15.0 s. Not changed on one run a box; colocated vLLM also needs rollout.kv_cache_mb sized to the batch
+# (the 128 MB default holds ~2.8k fp32 tokens at 135M), so the long case is a documented flag (docs/performance.md).
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
 
