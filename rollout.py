@@ -61,6 +61,7 @@ import losses
 import reward_guard
 import rewards
 import run
+import tasks
 import weight_sync
 
 
@@ -68,12 +69,12 @@ def load_tasks(cfg, tok):
     """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
     too-long prompts dropped or truncated (data.long_prompts), counted."""
     if cfg.data.name == "code":  # the held-out questions are drawn first and never trained on
-        held_out = data.make_code(cfg.eval.num_problems, seed=10_000 + cfg.train.seed)
-        train = data.make_code(1000, seed=cfg.train.seed, exclude=held_out)
+        held_out = tasks.make_code(cfg.eval.num_problems, seed=10_000 + cfg.train.seed)
+        train = tasks.make_code(1000, seed=cfg.train.seed, exclude=held_out)
     elif cfg.data.name == "arith":
-        held_out = data.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
+        held_out = tasks.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
                                    min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
-        train = data.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
+        train = tasks.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
                                 max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
     else:
         train = run.load_split(cfg.data, cfg.data.source, "train")

@@ -54,6 +54,7 @@ import machine
 import reward_guard
 import rewards
 import run
+import tasks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,14 +151,14 @@ def load_tasks(cfg):
     skips GRPO's test set (train_grpo.py: 500 problems, seed 10_000 + seed), so GRPO's eval stays unseen and
     unselected."""
     if cfg.data.name == "arith":
-        held_out = data.make_arith(cfg.eval.num_problems, seed=20_000 + cfg.train.seed,
+        held_out = tasks.make_arith(cfg.eval.num_problems, seed=20_000 + cfg.train.seed,
                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
-        grpo_test = data.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
+        grpo_test = tasks.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
         return None, held_out, {p["question"] for p in held_out + grpo_test}
     if cfg.data.name == "code":  # GRPO's held-out problems (seed 10_000 + seed) stay out of SFT's data too
-        held_out = data.make_code(cfg.eval.num_problems, seed=20_000 + cfg.train.seed)
-        grpo_test = data.make_code(200, seed=10_000 + cfg.train.seed)
-        return data.make_code(1000, seed=cfg.train.seed, exclude=held_out + grpo_test), held_out, set()
+        held_out = tasks.make_code(cfg.eval.num_problems, seed=20_000 + cfg.train.seed)
+        grpo_test = tasks.make_code(200, seed=10_000 + cfg.train.seed)
+        return tasks.make_code(1000, seed=cfg.train.seed, exclude=held_out + grpo_test), held_out, set()
     held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
     return run.load_split(cfg.data, cfg.data.source, "train"), held_out, set()
 
@@ -166,7 +167,7 @@ def step_examples(train, step, batch, seed, cfg, exclude):
     """Step s's examples from (seed, s) alone. Synthetic: fresh problems (never an eval question);
     a dataset: epoch e is a fixed permutation of the train set (data.step_batch)."""
     if train is None:
-        return data.make_arith(batch, seed=seed * 1_000_003 + step + 1, min_digits=cfg.data.min_digits,
+        return tasks.make_arith(batch, seed=seed * 1_000_003 + step + 1, min_digits=cfg.data.min_digits,
                                max_digits=cfg.data.max_digits, exclude=exclude)
     return data.step_batch(train, step, batch, seed)
 

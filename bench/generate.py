@@ -36,6 +36,7 @@ import torch  # noqa: E402
 import data  # noqa: E402
 import generator  # noqa: E402
 import machine  # noqa: E402
+import tasks  # noqa: E402
 
 GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 WORKLOADS = {  # name: (prompt kind, prompts, samples per prompt, temperature, max tokens)
@@ -46,7 +47,7 @@ WORKLOADS = {  # name: (prompt kind, prompts, samples per prompt, temperature, m
 
 def workload_prompts(tok, kind, num):
     if kind == "arith":
-        qs = [p["question"] + " Answer with just the number." for p in data.make_arith(num, seed=0, max_digits=1)]
+        qs = [p["question"] + " Answer with just the number." for p in tasks.make_arith(num, seed=0, max_digits=1)]
     else:
         rows = [json.loads(line) for line in open(GSM8K_TEST)][:num]
         qs = [r["question"] + "\nPlease reason step by step, and put your final answer within \\boxed{}." for r in rows]

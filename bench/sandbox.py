@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import data  # noqa: E402
 import machine  # noqa: E402
 import rewards  # noqa: E402
 import sandbox  # noqa: E402
+import tasks  # noqa: E402
 
 
 def rate(code, n, workers, timeout_s):
@@ -33,7 +33,7 @@ def main():
     for workers in (1, 2):
         out[f"trivial_w{workers}"] = rate("print(1)", a.n, workers, 2.0)
         out[f"timeout_1s_w{workers}"] = rate("while True: pass", max(4, a.n // 8), workers, 1.0)
-    problems, reward = data.make_code(a.n, seed=0), rewards.CodeReward()
+    problems, reward = tasks.make_code(a.n, seed=0), rewards.CodeReward()
     t0 = time.perf_counter()
     scores = [reward("", p["solution"], p["target"]) for p in problems]
     out["code_reward_s"] = (time.perf_counter() - t0) / a.n

@@ -1,4 +1,4 @@
-# SmolLM2-135M-Instruct on the embedded code task (data.make_code: "Write a Python function f(x) that returns ...",
+# SmolLM2-135M-Instruct on the embedded code task (tasks.make_code: "Write a Python function f(x) that returns ...",
 # 4 hidden tests each), rewarded by the sandboxed code reward (rewards.CodeReward, sandbox.py), on CPU, one process.
 # What it learns in 10 steps is in docs/sandbox.md.
 #   python train_grpo.py configs/smollm2_code.py --rollout.backend=vllm

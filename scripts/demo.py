@@ -6,7 +6,7 @@
 Two phases, each the real trainer in its own process, exactly as a user would launch it:
 
 1. SFT (`train_sft.py configs/sft_tiny.py`): a 0.9M-parameter Qwen2-style model, random init, learns the
-   synthetic arithmetic word problems (data.make_arith: "Sue has 11 eggs. She finds 65 more. How many eggs
+   synthetic arithmetic word problems (tasks.make_arith: "Sue has 11 eggs. She finds 65 more. How many eggs
    now?" -> " 11 + 65 = 76. The answer is 76."). It stops at the first dev eval whose greedy accuracy
    reaches ~0.4, so RL starts with room to learn (accuracy jumps at a seed-dependent step; a fixed step
    count would give 0.1 on one seed and 0.6 on another).

@@ -82,8 +82,9 @@ def calibration(hf_dir, seed, n=8, bins=10):
     import data
     import generator
     import rewards
+    import tasks
     tok = data.Tokenizer(hf_dir)
-    problems = data.make_arith(500, seed=10_000 + seed, min_digits=2, max_digits=2)
+    problems = tasks.make_arith(500, seed=10_000 + seed, min_digits=2, max_digits=2)
     prompts = [data.prompt_ids(tok, p["question"]) for p in problems]
     gen = generator.TorchGenerator(str(hf_dir), max_model_len=96)
     reward = rewards.MathReward(symbolic=False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import data
+import tasks
 from conftest import GSM8K_DIR
 
 # A Qwen2.5-style ChatML template (default system prompt, tools rendered as JSON, tool calls and tool results),
@@ -292,43 +293,9 @@ def test_gsm8k_malformed_rows_skipped_or_abort(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------------------------- arithmetic task
-def test_make_arith_deterministic_and_correct():
-    a = data.make_arith(2000, seed=3)
-    assert a == data.make_arith(2000, seed=3) and a[:100] == data.make_arith(100, seed=3)
-    assert a != data.make_arith(2000, seed=4)
-    pattern = re.compile(r"(\w+) has (\d+) (\w+)\. (She|He) (.+?) (\d+)( more)?\. How many (\w+) now\?")
-    ops, verbs = set(), set()
-    for r in a:
-        m = pattern.fullmatch(r["question"])
-        assert m and m[3] == m[8], r["question"]
-        x, y, c = int(m[2]), int(m[6]), int(r["target"])
-        op = "+" if m[7] else "-"
-        assert r["solution"] == f" {x} {op} {y} = {c}. The answer is {c}."
-        assert c == (x + y if op == "+" else x - y) and c >= 0 and 1 <= x <= 99 and 1 <= y <= 99
-        ops.add(op)
-        verbs.add(m[5])
-    assert ops == {"+", "-"} and len(verbs) == 8
-    assert len({r["question"].split()[0] for r in a}) == 10 and len({r["question"].split()[3] for r in a}) == 10
-
-
-def test_make_arith_digits_and_exclude():
-    evals = data.make_arith(300, seed=0, min_digits=2, max_digits=2)
-    for r in evals:
-        x, y = map(int, re.findall(r"\d+", r["question"]))
-        assert 10 <= x <= 99 and 10 <= y <= 99
-    train = data.make_arith(3000, seed=0, min_digits=2, max_digits=2, exclude=evals)
-    assert len(train) == 3000 and not {r["question"] for r in evals} & {r["question"] for r in train}
-    assert data.make_arith(3000, seed=0, min_digits=2, max_digits=2)[:300] == evals  # same seed: would overlap
-    every_one_digit = [f"{n} has {x} {o}. {p} {v.format(b=y)}. How many {o} now?" for n, p in data.NAMES
-                       for o in data.OBJECTS for v in data.VERBS["+"] + data.VERBS["-"] for x in range(1, 10)
-                       for y in range(1, 10)]
-    with pytest.raises(ValueError, match="outside `exclude`"):
-        data.make_arith(5, seed=0, max_digits=1, exclude=every_one_digit)
-
-
 def test_tiny_task_token_lengths(tok):
     lengths = [(len(data.prompt_ids(tok, r["question"])), len(tok.encode(r["solution"])) + 1)  # + end of turn
-               for r in data.make_arith(1000, seed=0, min_digits=1, max_digits=2)]
+               for r in tasks.make_arith(1000, seed=0, min_digits=1, max_digits=2)]
     assert max(p for p, _ in lengths) <= 22 and max(c for _, c in lengths) <= 22
 
 
@@ -369,7 +336,7 @@ def test_tiny_checkpoint_loads_in_transformers(which, tiny_ckpt, tiny_ckpt_untie
         assert hf.encode(text, add_special_tokens=False) == ours.encode(text)  # transformers rebuilds the pipeline
         assert hf.decode(ours.encode(text), skip_special_tokens=True) == ours.decode(ours.encode(text))
     assert ours.decode(ours.encode("Ünïcode ≠ ascii")) == "Ünïcode ≠ ascii"  # byte-level: nothing is lost
-    for r in data.make_arith(20, seed=9):
+    for r in tasks.make_arith(20, seed=9):
         chat = [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["solution"]}]
         ids = hf.apply_chat_template(chat, return_dict=False)
         assert ids == ours.apply_chat_template(chat, tokenize=True) == data.sft_example(ours, chat)[0]
@@ -388,7 +355,7 @@ def test_tiny_checkpoint_serves_in_vllm(tiny_ckpt):
     tok = data.Tokenizer(tiny_ckpt)
     llm = LLM(model=str(tiny_ckpt), dtype="float32", max_model_len=256, enforce_eager=True,
               kv_cache_memory_bytes=64 << 20, seed=0)
-    problems = data.make_arith(4, seed=5)
+    problems = tasks.make_arith(4, seed=5)
     assert llm.get_tokenizer().encode(problems[0]["question"], add_special_tokens=False) == tok.encode(problems[0]["question"])
     prompts = [data.prompt_ids(tok, r["question"]) for r in problems]
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, detokenize=False, ignore_eos=True)

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import data
+import tasks
 from conftest import GSM8K_DIR, ROOT, export_greedy
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def test_hf_export_loads_in_vllm_and_matches(tmp_path, start_ckpt):
     # vLLM opens the export as-is and its greedy continuation equals the pure-torch generator's on it
     tok = data.Tokenizer(tmp_path / "c" / "hf")
     vllm_ids, torch_ids = export_greedy(tmp_path / "c" / "hf", [data.prompt_ids(tok, p["question"])
-                                                                 for p in data.make_arith(4, seed=5)], max_tokens=12)
+                                                                 for p in tasks.make_arith(4, seed=5)], max_tokens=12)
     assert vllm_ids == torch_ids and len(vllm_ids) == 4
 
 

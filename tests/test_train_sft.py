@@ -17,6 +17,7 @@ import checks
 from conftest import ROOT
 import config
 import data
+import tasks
 import train_sft
 from model import Transformer
 
@@ -27,7 +28,7 @@ RUN_ARGS = [str(ROOT / "configs" / "sft_tiny.py"), f"--train.steps={STEPS}", "--
 
 
 def docs_for(tok, n, seed=0):
-    problems = data.make_arith(n, seed=seed, min_digits=1, max_digits=3)
+    problems = tasks.make_arith(n, seed=seed, min_digits=1, max_digits=3)
     return train_sft.to_docs(tok, problems, "", 64)[0]
 
 
@@ -70,7 +71,7 @@ def test_pack_layout(tiny_ckpt):
     assert float(b["mask"].sum()) == sum(sum(m[1:]) for _, m in docs) and sum(lens) <= b["ids"].numel()
     # the loss mask covers the completion and its end-of-turn token, not the prompt
     ids, m = docs[0]
-    assert tok.decode([t for t, k in zip(ids, m) if k]) == data.make_arith(9, seed=0, max_digits=3)[0]["solution"]
+    assert tok.decode([t for t, k in zip(ids, m) if k]) == tasks.make_arith(9, seed=0, max_digits=3)[0]["solution"]
     assert ids[[i for i, k in enumerate(m) if k][-1]] == tok.eos_token_id
 
 
