@@ -7,8 +7,9 @@
   `strftime_now`; the named special tokens, `tools`, `documents`); tests check byte-identity with transformers.
 - `load_gsm8k`: GSM8K from the hub or a local .jsonl/.parquet as {question, solution, target} (target: the number
   after "####", commas stripped). A user's loader returns such records; `check_record` checks each the same way.
-- `make_tiny_checkpoint`: a BPE tokenizer trained deterministically on the synthetic arithmetic task (tasks.py) (Qwen2's pre-tokenizer: a token
-  per digit) and a random Qwen2 model in Hugging Face format; vLLM and transformers open and tokenize it as we do.
+- `make_tiny_checkpoint`: a BPE tokenizer trained deterministically on tasks.make_arith's problems (Qwen2's
+  pre-tokenizer: a token per digit) and a random Qwen2 model in Hugging Face format; vLLM and transformers open
+  and tokenize it as we do.
 - `sft_example`: ids + a loss mask, 1 exactly on assistant content and its end-of-turn token; `pack`: documents
   first-fit into rows whose positions restart per document; `step_batch`: a dataset's order per (seed, step).
 
@@ -306,7 +307,8 @@ def make_tiny_tokenizer(path, vocab_size: int = 384) -> Path:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = [t for r in tasks.make_arith(4000, seed=1234, min_digits=1, max_digits=3) for t in (r["question"], r["solution"])]
+    problems = tasks.make_arith(4000, seed=1234, min_digits=1, max_digits=3)
+    corpus = [t for r in problems for t in (r["question"], r["solution"])]
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
     config = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|end|>", "pad_token": "<pad>",

@@ -129,10 +129,11 @@ def num_params(model_path) -> int:
 # colocated, 135M, medians of steps 3-8, three repeats a dtype on box C, AMD AVX-512 BF16): vLLM in process
 # generated in 0.79-0.95 of the torch generator's time in fp32 (11.95/13.01/14.28 s vs 12.64/16.48/15.77) and
 # 0.86-0.92 in bf16 (8.59/8.05/8.49 vs 9.31/9.34/9.43); whole steps 0.86-1.01 and 0.90-0.98; box A's one run agrees
-# (12.4 vs 20.2 s; at 40 tokens 5.8 vs 6.5 s, steps equal). Not yet the default: colocated vLLM needs rollout.kv_cache_mb sized to the step's real lengths
-# (the 128 MB default holds ~2.8k fp32 tokens at 135M; these runs used 256), which the engine, built before the data
-# is read, cannot size yet, and the AVX2 box (B) has no colocated measurement. For >= 128 tokens at this size pass
-# --rollout.backend=vllm --rollout.kv_cache_mb=N (docs/performance.md).
+# (12.4 vs 20.2 s; at 40 tokens 5.8 vs 6.5 s, steps equal). Not yet the default: colocated vLLM needs
+# rollout.kv_cache_mb sized to the step's real lengths (the 128 MB default holds ~2.8k fp32 tokens at 135M; these
+# runs used 256), which the engine, built before the data is read, cannot size yet, and the AVX2 box (B) has no
+# colocated measurement. For >= 128 tokens at this size pass --rollout.backend=vllm --rollout.kv_cache_mb=N
+# (docs/performance.md).
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
 
