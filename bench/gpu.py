@@ -17,6 +17,11 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
    no-grad logprob forward (what ref/old logprobs cost) and for forward + backward, beside what materialising the
    full fp32 logits would take (T * V * 4 bytes).
 3. Torch generator: generated tokens/s for prompts x samples x new tokens with a preallocated KV cache, bf16.
+4. Parity on the GPU, the oracle being transformers: the 0.5B checkpoint of 0. loaded by model.py and by
+   transformers' AutoModelForCausalLM on the same device, logits compared in fp32 and in bf16 on one batch. The bf16
+   gap is set beside transformers' own bf16-vs-fp32 gap, the scale bf16 rounding alone produces.
+Each part runs on its own: one that fails records its error and the others still run; the JSON is rewritten after
+every part, so a run cut short keeps what it measured.
 
     bash bench/gpu.sh                 # on the GPU machine: prints a table, writes bench/results/gpu.json
     bash bench/gpu.sh --cpu-smoke     # anywhere: the same code at toy sizes on CPU (checks it runs, not speed)
@@ -156,11 +161,9 @@ def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
                 tokens_per_s=tokens / dt)
 
 
-def bench_grpo(shape, run, device, workdir, peak):
+def bench_grpo(ckpt, shape, run, device, workdir, peak):
     """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring."""
-    import data
     import train_grpo
-    ckpt = data.make_tiny_checkpoint(Path(workdir) / "ckpt", seed=0, **shape)
     argv = [str(ROOT / "configs" / "tiny.py"), f"--model.path={ckpt}",
             "--model.dtype=bfloat16", "--rollout.backend=torch", "--dist.generator_ranks=0",
             f"--train.steps={run['steps']}", f"--rollout.prompts_per_step={run['prompts']}",
@@ -195,9 +198,85 @@ def bench_grpo(shape, run, device, workdir, peak):
                 mismatch_abs_diff=med("mismatch/abs_diff"), config=run)
 
 
+def bench_parity(ckpt, vocab, device, batch, seq):
+    """max |logits - transformers' logits| for model.py on `device`, in fp32 and bf16 (see the module docstring)."""
+    from transformers import AutoModelForCausalLM
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    out, hf32 = {}, None
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ours = Transformer.from_pretrained(ckpt, dtype=dtype, device=device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device).eval()
+        with torch.no_grad():
+            a, b = ours(ids).float(), hf(ids).logits.float()
+        hf32 = b if hf32 is None else hf32
+        out[f"{name}_max_abs"] = (a - b).abs().max().item()
+        out[f"{name}_vs_hf_fp32_max_abs"] = (a - hf32).abs().max().item()
+        out[f"hf_{name}_vs_hf_fp32_max_abs"] = (b - hf32).abs().max().item()
+        del ours, hf
+    return dict(batch=batch, seq=seq, logits_scale=hf32.abs().max().item(), **out)
+
+
+def run_part(res, key, fn, out):
+    """res[key] = fn(), or the error if it fails; the JSON rewritten either way (a one-shot machine keeps the rest)."""
+    t0 = time.perf_counter()
+    try:
+        res[key] = fn()
+    except Exception as e:  # noqa: BLE001  reported, not hidden: the table and the JSON say which part failed and why
+        import traceback
+        traceback.print_exc()
+        res[key] = {"error": f"{type(e).__name__}: {e}"}
+    res.setdefault("part_s", {})[key] = time.perf_counter() - t0
+    print(f"{key}: {res[key]}", flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+
+
 def _count_params(cfg):
     with torch.device("meta"):  # shapes only: a tied lm_head counted once
         return sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+def table(res):
+    """The results as a two-column Markdown table; a failed part shows its error."""
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+    rows = [("device", res["device"])]
+    gr, par, g, m, tr = (res.get(k, {}) for k in ("grpo", "parity", "generate", "logprob_memory", "train"))
+    if "error" in gr:
+        rows.append(("GRPO", "FAILED: " + gr["error"]))
+    else:
+        c, p = gr["config"], gr["parts"]
+        rows += [("GRPO, colocated, bf16, torch generator", f"{c['steps']} steps of {c['prompts']} x {c['samples']} x "
+                                                         f"{c['max_tokens']} tokens: {gr['step_s']:.2f} s/step, run "
+                                                         f"{gr['wall_s']:.0f} s"),
+                 ("GRPO step: gen / ref / train / sync / other", " / ".join(f"{p[k]:.3f}" for k in p) + " s"),
+                 ("GRPO generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
+                 ("GRPO update TFLOP/s, MFU", f"{gr['update_tflops']:.1f}, {fmt(gr['update_mfu'], '.1%')}"),
+                 ("GRPO peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
+                 ("GRPO mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
+    if "error" in par:
+        rows.append(("parity vs transformers", "FAILED: " + par["error"]))
+    else:
+        rows += [(f"parity vs transformers, {par['batch']} x {par['seq']}, max |dlogits|",
+                  f"fp32 {par['fp32_max_abs']:.2e}; bf16 {par['bf16_max_abs']:.2e} (ours vs HF fp32 "
+                  f"{par['bf16_vs_hf_fp32_max_abs']:.2e}, HF bf16 vs HF fp32 {par['hf_bf16_vs_hf_fp32_max_abs']:.2e}; "
+                  f"logits up to {par['logits_scale']:.2f})")]
+    rows.append(("trainer step (FSDP2, bf16)", "FAILED: " + tr["error"]) if "error" in tr else
+                ("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
+                                               f"{tr['tokens_per_s']:.0f} tok/s, {tr['achieved_tflops']:.1f} TFLOP/s, "
+                                               f"MFU {fmt(tr['mfu'], '.1%')}"))
+    if "error" in m:
+        rows.append(("logprob peak memory", "FAILED: " + m["error"]))
+    else:
+        rows += [(f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
+                                                         f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
+                 (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB")]
+    rows.append(("torch generator", "FAILED: " + g["error"]) if "error" in g else
+                ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
+                                    f"{g['tokens_per_s']:.0f} tok/s"))
+    rows.append(("total time", f"{res['total_s']:.0f} s"))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows)
 
 
 def main():
@@ -212,68 +291,48 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+    out = None if smoke else a.out
     t_all = time.perf_counter()
-    res = {"device": name, "machine": machine.info(), "torch": torch.__version__, "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
+    res = {"device": name, "machine": machine.info(), "torch": torch.__version__,
+           "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
+    workdir = tempfile.TemporaryDirectory()  # the 0.5B checkpoint (2 GB in fp32) and the GRPO run's outputs
+    shape = GRPO_SMOKE if smoke else QWEN25_05B
     if MISSING:
-        res["grpo"] = None
-        print(f"grpo: SKIPPED, not installed: {' '.join(MISSING)} (pip install {' '.join(MISSING)})", flush=True)
+        res["grpo"] = res["parity"] = {"error": f"not installed: {' '.join(MISSING)}"}
+        print(f"grpo, parity: SKIPPED, not installed: {' '.join(MISSING)} (pip install {' '.join(MISSING)})")
     else:
-        with tempfile.TemporaryDirectory() as workdir:  # the 0.5B checkpoint (2 GB in fp32) and the run's outputs
-            res["grpo"] = bench_grpo(GRPO_SMOKE if smoke else QWEN25_05B,
-                                     dict(GRPO, steps=4, prompts=4, samples=2, max_tokens=8, micro_batch=8) if smoke
-                                     else GRPO, device, workdir, peak)
-        print(f"grpo: {res['grpo']['step_s']:.3f} s/step {res['grpo']['parts']}", flush=True)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        import data
+        ckpt = data.make_tiny_checkpoint(Path(workdir.name) / "ckpt", seed=0, **shape)
+        run = dict(GRPO, steps=4, prompts=4, samples=2, max_tokens=8, micro_batch=8) if smoke else GRPO
+        run_part(res, "grpo", lambda: bench_grpo(ckpt, shape, run, device, workdir.name, peak), out)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        run_part(res, "parity", lambda: bench_parity(ckpt, shape["vocab_size"], device, *((2, 16) if smoke else (4, 512))), out)
 
     roles = dist.get_roles(0)  # train_grpo.main has left its world: a new one for the probes below
     if smoke:
         roles.device = torch.device("cpu")
     dist.init_distributed(roles, 600)
     mesh = dist.trainer_mesh(roles, 1, 1)
-    res["generate"] = bench_generate(cfg, device, *((4, 2, 16, 8) if smoke else (64, 8, 128, 256)))
-    print(f"generate: {res['generate']['tokens_per_s']:.0f} tok/s", flush=True)
-    res["logprob_memory"] = bench_logprob_memory(cfg, device, 64 if smoke else 4096)
-    print(f"logprob memory: {res['logprob_memory']}", flush=True)
-    tr = bench_train(cfg, device, *((2, 32, 2) if smoke else (8, 2048, 5)), mesh)
-    tr["peak_flops"] = peak
-    tr["mfu"] = tr["achieved_tflops"] * 1e12 / peak if peak else None
-    res["train"] = tr
+    run_part(res, "generate", lambda: bench_generate(cfg, device, *((4, 2, 16, 8) if smoke else (64, 8, 128, 256))),
+             out)
+    run_part(res, "logprob_memory", lambda: bench_logprob_memory(cfg, device, 64 if smoke else 4096), out)
+
+    def train():
+        tr = bench_train(cfg, device, *((2, 32, 2) if smoke else (8, 2048, 5)), mesh)
+        return dict(tr, peak_flops=peak, mfu=tr["achieved_tflops"] * 1e12 / peak if peak else None)
+    run_part(res, "train", train, None)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":
         res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-
-    g, m, gr = res["generate"], res["logprob_memory"], res["grpo"]
-    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
-    rows = [("device", name)]
-    if gr is None:
-        rows.append(("GRPO", f"skipped: {' '.join(MISSING)} not installed"))
-    else:
-        c, p = gr["config"], gr["parts"]
-        rows += [("GRPO, colocated, bf16, torch generator", f"{c['steps']} steps of {c['prompts']} x {c['samples']} x "
-                                                         f"{c['max_tokens']} tokens: {gr['step_s']:.2f} s/step, run "
-                                                         f"{gr['wall_s']:.0f} s"),
-                 ("GRPO step: gen / ref / train / sync / other", " / ".join(f"{p[k]:.3f}" for k in p) + " s"),
-                 ("GRPO generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
-                 ("GRPO update TFLOP/s, MFU", f"{gr['update_tflops']:.1f}, {fmt(gr['update_mfu'], '.1%')}"),
-                 ("GRPO peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
-                 ("GRPO mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
-    rows += [("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
-                                            f"{tr['tokens_per_s']:.0f} tok/s"),
-             ("trainer TFLOP/s, MFU", f"{tr['achieved_tflops']:.1f}, {fmt(tr['mfu'], '.1%')}"),
-             (f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
-                                                     f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
-             (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB"),
-             ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
-                                 f"{g['tokens_per_s']:.0f} tok/s"),
-             ("total time", f"{res['total_s']:.0f} s")]
-    w = max(len(k) for k, _ in rows)
-    print("\n" + "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows))
-    if not smoke:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    if out:
+        Path(out).write_text(json.dumps(res, indent=2) + "\n")
+    workdir.cleanup()
+    print("\n" + table(res))
     dist.shutdown()
+    if any("error" in v for v in res.values() if isinstance(v, dict)):
+        sys.exit("bench/gpu.py: a part failed (its error is in the table above and in the JSON)")
 
 
 if __name__ == "__main__":

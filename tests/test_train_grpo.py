@@ -145,13 +145,16 @@ def test_headline_command_at_its_own_size(tmp_path, start_ckpt, tp):
 
 def test_bench_gpu_cpu_smoke():
     """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main, then the MFU,
-    logprob-memory and generator probes) at toy sizes on CPU, so the script is known to run before a GPU sees it."""
+    logprob-memory and generator probes, parity against transformers) at toy sizes on CPU, so the script is known to
+    run before a GPU sees it."""
     res = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU",
-                "trainer TFLOP/s, MFU", "logprob peak, T=64 fwd+bwd", "torch generator"):
+                "parity vs transformers, 2 x 16", "trainer step (FSDP2, bf16)", "logprob peak, T=64 fwd+bwd",
+                "torch generator"):
         assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
+    assert "FAILED" not in res.stdout, res.stdout[-2000:]
 
 
 # A reward under which ~3 of 4 groups are unanimous: only prompts whose answer is divisible by 4 can score, and
