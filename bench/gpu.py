@@ -67,6 +67,12 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, head_dim=64, vocab_size=151936)  # data.make_tiny_checkpoint's arguments
 GRPO = dict(steps=20, prompts=16, samples=8, max_tokens=256, micro_batch=32)
+# One trainer rank of configs/gsm8k.py (48 prompts / 6 ranks x 8 samples x 512 tokens, micro-batch 16, beta 0.04 with
+# the reference model) at Qwen2.5-1.5B's shape: what docs/gpu.md's 8-GPU estimate calls T_train, measured.
+QWEN25_15B_CKPT = {k: QWEN25_15B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}
+GRPO_RANK = dict(steps=5, prompts=8, samples=8, max_tokens=512, micro_batch=16, beta=0.04)
+PARTS = ("grpo", "parity", "generate", "logprob_memory", "train", "grpo_rank")
 GRPO_SMOKE = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, vocab_size=512)
 
@@ -161,7 +167,7 @@ def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
                 tokens_per_s=tokens / dt)
 
 
-def bench_grpo(ckpt, shape, run, device, workdir, peak):
+def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo"):
     """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring."""
     import train_grpo
     argv = [str(ROOT / "configs" / "tiny.py"), f"--model.path={ckpt}",
@@ -170,14 +176,14 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak):
             f"--rollout.group_size={run['samples']}", f"--rollout.max_tokens={run['max_tokens']}",
             f"--train.micro_batch={run['micro_batch']}", "--loss.entropy_coef=0.01", "--eval.every=0",
             f"--eval.num_problems={run['prompts']}", "--log.plot_every_s=1e9", f"--log.out_dir={workdir}",
-            "--log.run=grpo",
+            f"--log.run={name}", f"--loss.kwargs={{'beta': {run.get('beta', 0.0)}, 'agg': 'token_mean'}}",
             "--rollout.overlong_cache=0"]  # tiny.py's length penalty needs max_tokens > 16; a speed probe needs none
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     train_grpo.main(argv)
     wall = time.perf_counter() - t0
-    rows = [json.loads(line) for line in open(Path(workdir) / "grpo" / "metrics.jsonl")]
+    rows = [json.loads(line) for line in open(Path(workdir) / name / "metrics.jsonl")]
     rows = [r for r in rows if "perf/step_s" in r][2:-1] or [r for r in rows if "perf/step_s" in r]  # no warm-up/eval
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     parts = {"gen": med("perf/gen_s"), "ref": med("perf/ref_s") + med("perf/old_s"), "train": med("perf/train_s"),
@@ -191,6 +197,7 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak):
     seq = resp + 20  # ~20 prompt tokens
     flops = (6 * params + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq) * tokens
     return dict(params=params, steps=run["steps"], step_s=step, parts=parts, wall_s=wall,
+                ref_tflops=flops / 3 / parts["ref"] / 1e12 if parts["ref"] > 1e-3 else None,
                 gen_tokens_per_s=statistics.median(r["rollout/response_len"] * run["prompts"] * run["samples"]
                                                    / r["perf/gen_s"] for r in rows),
                 update_tflops=flops / parts["train"] / 1e12, update_mfu=flops / parts["train"] / peak if peak else None,
@@ -214,6 +221,12 @@ def bench_parity(ckpt, vocab, device, batch, seq):
         out[f"hf_{name}_vs_hf_fp32_max_abs"] = (b - hf32).abs().max().item()
         del ours, hf
     return dict(batch=batch, seq=seq, logits_scale=hf32.abs().max().item(), **out)
+
+
+def free_gpu(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def run_part(res, key, fn, out):
@@ -241,39 +254,44 @@ def table(res):
     """The results as a two-column Markdown table; a failed part shows its error."""
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     rows = [("device", res["device"])]
-    gr, par, g, m, tr = (res.get(k, {}) for k in ("grpo", "parity", "generate", "logprob_memory", "train"))
-    if "error" in gr:
-        rows.append(("GRPO", "FAILED: " + gr["error"]))
-    else:
-        c, p = gr["config"], gr["parts"]
-        rows += [("GRPO, colocated, bf16, torch generator", f"{c['steps']} steps of {c['prompts']} x {c['samples']} x "
-                                                         f"{c['max_tokens']} tokens: {gr['step_s']:.2f} s/step, run "
-                                                         f"{gr['wall_s']:.0f} s"),
-                 ("GRPO step: gen / ref / train / sync / other", " / ".join(f"{p[k]:.3f}" for k in p) + " s"),
-                 ("GRPO generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
-                 ("GRPO update TFLOP/s, MFU", f"{gr['update_tflops']:.1f}, {fmt(gr['update_mfu'], '.1%')}"),
-                 ("GRPO peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
-                 ("GRPO mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
+    par, g, m, tr = (res.get(k, {}) for k in ("parity", "generate", "logprob_memory", "train"))
+    for key, title in (("grpo", "GRPO"), ("grpo_rank", "GRPO, one gsm8k.py trainer rank")):
+        gr = res.get(key, {})
+        if "error" in gr:
+            rows.append((title, "FAILED: " + gr["error"]))
+        elif gr:
+            c, p = gr["config"], gr["parts"]
+            rows += [(f"{title}, colocated, bf16, torch generator",
+                      f"{c['steps']} steps of {c['prompts']} x {c['samples']} x {c['max_tokens']} tokens, beta "
+                      f"{c.get('beta', 0.0)}: {gr['step_s']:.2f} s/step, run {gr['wall_s']:.0f} s"),
+                     (f"{title} step: gen / ref / train / sync / other", " / ".join(f"{p[k]:.3f}" for k in p) + " s"),
+                     (f"{title} generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
+                     (f"{title} update TFLOP/s, MFU; ref TFLOP/s", f"{gr['update_tflops']:.1f}, "
+                      f"{fmt(gr['update_mfu'], '.1%')}; {fmt(gr.get('ref_tflops'), '.1f')}"),
+                     (f"{title} peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
+                     (f"{title} mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
     if "error" in par:
         rows.append(("parity vs transformers", "FAILED: " + par["error"]))
-    else:
+    elif par:
         rows += [(f"parity vs transformers, {par['batch']} x {par['seq']}, max |dlogits|",
                   f"fp32 {par['fp32_max_abs']:.2e}; bf16 {par['bf16_max_abs']:.2e} (ours vs HF fp32 "
                   f"{par['bf16_vs_hf_fp32_max_abs']:.2e}, HF bf16 vs HF fp32 {par['hf_bf16_vs_hf_fp32_max_abs']:.2e}; "
                   f"logits up to {par['logits_scale']:.2f})")]
-    rows.append(("trainer step (FSDP2, bf16)", "FAILED: " + tr["error"]) if "error" in tr else
-                ("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
-                                               f"{tr['tokens_per_s']:.0f} tok/s, {tr['achieved_tflops']:.1f} TFLOP/s, "
-                                               f"MFU {fmt(tr['mfu'], '.1%')}"))
+    if tr:
+        rows.append(("trainer step (FSDP2, bf16)", "FAILED: " + tr["error"]) if "error" in tr else
+                    ("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
+                                                   f"{tr['tokens_per_s']:.0f} tok/s, {tr['achieved_tflops']:.1f} "
+                                                   f"TFLOP/s, MFU {fmt(tr['mfu'], '.1%')}"))
     if "error" in m:
         rows.append(("logprob peak memory", "FAILED: " + m["error"]))
-    else:
+    elif m:
         rows += [(f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
                                                          f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
                  (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB")]
-    rows.append(("torch generator", "FAILED: " + g["error"]) if "error" in g else
-                ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
-                                    f"{g['tokens_per_s']:.0f} tok/s"))
+    if g:
+        rows.append(("torch generator", "FAILED: " + g["error"]) if "error" in g else
+                    ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
+                                        f"{g['tokens_per_s']:.0f} tok/s"))
     rows.append(("total time", f"{res['total_s']:.0f} s"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows)
@@ -283,6 +301,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the script, not the speed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu.json"))
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run (default: all)")
     a = p.parse_args()
     smoke = a.cpu_smoke
     if not smoke and not torch.cuda.is_available():
@@ -302,27 +321,41 @@ def main():
         print(f"grpo, parity: SKIPPED, not installed: {' '.join(MISSING)} (pip install {' '.join(MISSING)})")
     else:
         import data
-        ckpt = data.make_tiny_checkpoint(Path(workdir.name) / "ckpt", seed=0, **shape)
+        ckpt = data.make_tiny_checkpoint(Path(workdir.name) / "ckpt", seed=0, **shape) \
+            if {"grpo", "parity"} & set(a.parts) or smoke else None
         run = dict(GRPO, steps=4, prompts=4, samples=2, max_tokens=8, micro_batch=8) if smoke else GRPO
-        run_part(res, "grpo", lambda: bench_grpo(ckpt, shape, run, device, workdir.name, peak), out)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        run_part(res, "parity", lambda: bench_parity(ckpt, shape["vocab_size"], device, *((2, 16) if smoke else (4, 512))), out)
+        if "grpo" in a.parts:
+            run_part(res, "grpo", lambda: bench_grpo(ckpt, shape, run, device, workdir.name, peak), out)
+        free_gpu(device)
+        if "parity" in a.parts:
+            run_part(res, "parity", lambda: bench_parity(ckpt, shape["vocab_size"], device,
+                                                         *((2, 16) if smoke else (4, 512))), out)
+        if "grpo_rank" in a.parts:
+            free_gpu(device)
+            rank_shape = shape if smoke else QWEN25_15B_CKPT
+            rank_ckpt = ckpt if smoke else data.make_tiny_checkpoint(Path(workdir.name) / "ckpt15", seed=0,
+                                                                     **rank_shape)
+            rank_run = dict(run, beta=GRPO_RANK["beta"]) if smoke else GRPO_RANK
+            run_part(res, "grpo_rank", lambda: bench_grpo(rank_ckpt, rank_shape, rank_run, device, workdir.name,
+                                                          peak, "grpo_rank"), out)
 
     roles = dist.get_roles(0)  # train_grpo.main has left its world: a new one for the probes below
     if smoke:
         roles.device = torch.device("cpu")
     dist.init_distributed(roles, 600)
     mesh = dist.trainer_mesh(roles, 1, 1)
-    run_part(res, "generate", lambda: bench_generate(cfg, device, *((4, 2, 16, 8) if smoke else (64, 8, 128, 256))),
-             out)
-    run_part(res, "logprob_memory", lambda: bench_logprob_memory(cfg, device, 64 if smoke else 4096), out)
+    free_gpu(device)
+    if "generate" in a.parts:
+        run_part(res, "generate", lambda: bench_generate(cfg, device, *((4, 2, 16, 8) if smoke else
+                                                                        (64, 8, 128, 256))), out)
+    if "logprob_memory" in a.parts:
+        run_part(res, "logprob_memory", lambda: bench_logprob_memory(cfg, device, 64 if smoke else 4096), out)
 
     def train():
         tr = bench_train(cfg, device, *((2, 32, 2) if smoke else (8, 2048, 5)), mesh)
         return dict(tr, peak_flops=peak, mfu=tr["achieved_tflops"] * 1e12 / peak if peak else None)
-    run_part(res, "train", train, None)
+    if "train" in a.parts:
+        run_part(res, "train", train, None)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":
         res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

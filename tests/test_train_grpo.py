@@ -150,7 +150,8 @@ def test_bench_gpu_cpu_smoke():
     res = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU",
+    for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU; ref",
+                "GRPO, one gsm8k.py trainer rank step: gen / ref / train / sync / other",
                 "parity vs transformers, 2 x 16", "trainer step (FSDP2, bf16)", "logprob peak, T=64 fwd+bwd",
                 "torch generator"):
         assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
