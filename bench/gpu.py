@@ -167,9 +167,25 @@ def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
                 tokens_per_s=tokens / dt)
 
 
-def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo"):
-    """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring."""
+def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=False):
+    """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring.
+    profile: torch.profiler around the second step's update, its top operators by device time kept as text."""
     import train_grpo
+    update, calls, tables = train_grpo.update, [], []
+
+    def profiled_update(*args, **kwargs):
+        calls.append(1)
+        if len(calls) != 2:  # the first update pays the kernels' warm-up
+            return update(*args, **kwargs)
+        acts = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (device.type == "cuda")
+        with torch.profiler.profile(activities=acts) as prof:
+            out = update(*args, **kwargs)
+            sync(device)
+        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        tables.append(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60))
+        return out
+    if profile:
+        train_grpo.update = profiled_update
     argv = [str(ROOT / "configs" / "tiny.py"), f"--model.path={ckpt}",
             "--model.dtype=bfloat16", "--rollout.backend=torch", "--dist.generator_ranks=0",
             f"--train.steps={run['steps']}", f"--rollout.prompts_per_step={run['prompts']}",
@@ -181,8 +197,13 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo"):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    train_grpo.main(argv)
+    try:
+        train_grpo.main(argv)
+    finally:
+        train_grpo.update = update
     wall = time.perf_counter() - t0
+    if tables:
+        print(tables[0], flush=True)
     rows = [json.loads(line) for line in open(Path(workdir) / name / "metrics.jsonl")]
     rows = [r for r in rows if "perf/step_s" in r][2:-1] or [r for r in rows if "perf/step_s" in r]  # no warm-up/eval
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
@@ -202,7 +223,7 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo"):
                                                    / r["perf/gen_s"] for r in rows),
                 update_tflops=flops / parts["train"] / 1e12, update_mfu=flops / parts["train"] / peak if peak else None,
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                mismatch_abs_diff=med("mismatch/abs_diff"), config=run)
+                mismatch_abs_diff=med("mismatch/abs_diff"), config=run, profile=tables[0] if tables else None)
 
 
 def bench_parity(ckpt, vocab, device, batch, seq):
@@ -301,6 +322,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the script, not the speed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu.json"))
+    p.add_argument("--profile", action="store_true", help="grpo_rank: torch.profiler's top operators of one update")
+    p.add_argument("--rank-steps", type=int, default=GRPO_RANK["steps"], help="grpo_rank's steps")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run (default: all)")
     a = p.parse_args()
     smoke = a.cpu_smoke
@@ -335,9 +358,9 @@ def main():
             rank_shape = shape if smoke else QWEN25_15B_CKPT
             rank_ckpt = ckpt if smoke else data.make_tiny_checkpoint(Path(workdir.name) / "ckpt15", seed=0,
                                                                      **rank_shape)
-            rank_run = dict(run, beta=GRPO_RANK["beta"]) if smoke else GRPO_RANK
+            rank_run = dict(run, beta=GRPO_RANK["beta"]) if smoke else dict(GRPO_RANK, steps=a.rank_steps)
             run_part(res, "grpo_rank", lambda: bench_grpo(rank_ckpt, rank_shape, rank_run, device, workdir.name,
-                                                          peak, "grpo_rank"), out)
+                                                          peak, "grpo_rank", a.profile), out)
 
     roles = dist.get_roles(0)  # train_grpo.main has left its world: a new one for the probes below
     if smoke:
