@@ -65,7 +65,7 @@ def grpo(cfg, world_size):
         ("rollout.top_k", c.rollout.top_k == -1 or c.rollout.top_k >= 1, "-1 (off) or >= 1"),
         ("rollout.max_tokens", c.rollout.max_tokens >= 1, ">= 1"),
         ("rollout.backend", c.rollout.backend in ("vllm", "torch", "auto"), "vllm, torch or auto"),
-        ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 1, ">= 1"),
+        ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 0, ">= 0 (0: one step's worth)"),
         ("rollout.gpu_memory_utilization", 0 < c.rollout.gpu_memory_utilization <= 1, "in (0, 1]"),
         ("rollout.max_staleness", c.rollout.max_staleness >= 0, ">= 0"),
         ("rollout.refill_rounds", c.rollout.refill_rounds >= 0, ">= 0"),

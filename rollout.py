@@ -98,10 +98,15 @@ def load_tasks(cfg, tok):
     return train, held_out, num_long
 
 
-def num_params(model_path) -> int:
-    """Parameter count from config.json alone (no weights read): embeddings, per-layer attention + MLP + norms."""
+def hf_config(model_path):
+    """The model's shapes from config.json alone (no weights read)."""
     import model as model_lib
-    c = model_lib.ModelConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
+    return model_lib.ModelConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
+
+
+def num_params(model_path) -> int:
+    """Parameter count from config.json: embeddings, per-layer attention + MLP + norms."""
+    c = hf_config(model_path)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
     if c.attention_bias:  # q, k, v biases (and o_proj's, except in qwen2)
@@ -110,6 +115,23 @@ def num_params(model_path) -> int:
         layer += 2 * c.head_dim
     embed = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     return embed + c.num_hidden_layers * layer + c.hidden_size
+
+
+def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len) -> int:
+    """vLLM's KV cache for one engine: rollout.kv_cache_mb, or where it is 0 one step's worth. That is B x G rows of
+    (the longest prompt + the generation budget) tokens, each row rounded up to whole 128-token blocks (vLLM's CPU
+    block), at (K and V) x layers x KV heads x head_dim x the compute dtype's bytes a token, and never less than one
+    row of max_model_len, which vLLM requires. A step needs no more; with less, vLLM runs the rows in waves
+    (preempting), and eval's larger batches queue the same way."""
+    r = cfg.rollout
+    if r.kv_cache_mb:
+        return r.kv_cache_mb << 20
+    c = hf_config(model_path)
+    nbytes = 2 if cfg.model.dtype == "bfloat16" else 4  # "auto" is resolved by now (machine.resolve_dtype)
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * nbytes
+    blocks = lambda n: -(-n // 128) * 128  # noqa: E731
+    row = min(max_model_len, longest_prompt + (r.max_episode_tokens if r.env else r.max_tokens))
+    return max(r.prompts_per_step * r.group_size * blocks(row), blocks(max_model_len)) * per_token
 
 
 # The CPU rule of default_backend. Where the engine runs alone in its process (a dedicated generator rank, or
@@ -129,40 +151,61 @@ def num_params(model_path) -> int:
 # colocated, 135M, medians of steps 3-8, three repeats a dtype on box C, AMD AVX-512 BF16): vLLM in process
 # generated in 0.79-0.95 of the torch generator's time in fp32 (11.95/13.01/14.28 s vs 12.64/16.48/15.77) and
 # 0.86-0.92 in bf16 (8.59/8.05/8.49 vs 9.31/9.34/9.43); whole steps 0.86-1.01 and 0.90-0.98; box A's one run agrees
-# (12.4 vs 20.2 s; at 40 tokens 5.8 vs 6.5 s, steps equal). Not yet the default: colocated vLLM needs
-# rollout.kv_cache_mb sized to the step's real lengths (the 128 MB default holds ~2.8k fp32 tokens at 135M; these
-# runs used 256), which the engine, built before the data is read, cannot size yet, and the AVX2 box (B) has no
-# colocated measurement. For >= 128 tokens at this size pass --rollout.backend=vllm --rollout.kv_cache_mb=N
-# (docs/performance.md).
+# (12.4 vs 20.2 s; at 40 tokens 5.8 vs 6.5 s, steps equal). So colocated, "auto" picks vLLM for >= 20M parameters
+# and >= 128 tokens, with its KV cache sized to the step (kv_cache_bytes; those runs passed 256 MB, and the 128 MB
+# that was the default held ~2.8k fp32 tokens at 135M). Only on AVX-512 boxes, where it was measured (A and C): the
+# AVX2 box (B) has no colocated measurement, so there it stays the torch generator. With all of it "auto" (box C,
+# bf16, KV 180 MB): generation 8.46 s against the torch generator's 10.09, steps 18.32 against 20.65 s.
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
+VLLM_COLOCATED_MIN_TOKENS = 128   # colocated at 135M: 32-40 tokens torch faster, 128 vLLM faster
 
 
-def default_backend(model_path=None, max_tokens=None, colocated=True) -> str:
+def default_backend(model_path=None, max_tokens=None, colocated=True, cpu_capability=None) -> str:
     """What rollout.backend = "auto" means, by the measured rule above, for the model and workload configured.
-    vLLM on a GPU (the torch generator where vLLM is not installed). On CPU: colocated with the trainer (one
-    process), the torch generator; alone on a dedicated generator rank, vLLM for a model of >= 20M parameters or
-    generations of > 128 tokens, else the torch generator. Without a model path: CPU means the torch generator."""
+    vLLM on a GPU (the torch generator where vLLM is not installed). On CPU, for a model of >= 20M parameters: alone
+    on a dedicated generator rank, vLLM; colocated with the trainer (one process), vLLM for generations of >= 128
+    tokens on an AVX-512 box, else the torch generator. A smaller model: vLLM only on a dedicated rank for > 128
+    tokens. Without a model path: CPU means the torch generator."""
     # Asked without touching CUDA or importing vLLM (device_count asks NVML; find_spec imports nothing), so that
     # train_grpo can decide before dist.get_roles pins this rank's GPU.
     if torch.cuda.device_count() == 0:
-        if colocated or model_path is None:
+        if model_path is None:
             return "torch"
-        if num_params(model_path) < VLLM_CPU_MIN_PARAMS and (max_tokens or 0) <= VLLM_CPU_MIN_TOKENS:
+        big, tokens = num_params(model_path) >= VLLM_CPU_MIN_PARAMS, max_tokens or 0
+        avx512 = (cpu_capability or torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
+        if colocated and not (big and tokens >= VLLM_COLOCATED_MIN_TOKENS and avx512):
+            return "torch"
+        if not colocated and not big and tokens <= VLLM_CPU_MIN_TOKENS:
             return "torch"
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
-def build_generator(cfg, path, roles, tok):
+def resolve_backend(cfg, model_path) -> str:
+    """rollout.backend with "auto" resolved (default_backend) for this config's layout."""
+    if cfg.rollout.backend != "auto":
+        return cfg.rollout.backend
+    return default_backend(model_path, cfg.rollout.max_tokens, colocated=cfg.dist.generator_ranks == 0)
+
+
+def build_generator(cfg, path, roles, tok, longest_prompt=None):
     """This rank's engine, ready for dist.init_distributed; with `rollout.env`, wrapped to play multi-turn episodes
-    (episodes.MultiTurn)."""
+    (episodes.MultiTurn). longest_prompt (tokens, of the loaded tasks) sizes vLLM's KV cache (kv_cache_bytes)."""
     r = cfg.rollout
     max_model_len = cfg.data.max_prompt_tokens + (r.max_episode_tokens if r.env else r.max_tokens)
-    kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), cfg.rollout.backend
-    if backend == "auto":  # measured per layout, model size and generation length (default_backend)
-        backend = default_backend(path, cfg.rollout.max_tokens, colocated=roles.colocated)
+    kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), resolve_backend(cfg, path)
+    first = roles.rank == (roles.generator_ranks or [0])[0]  # one engine says what "auto" chose
+    if first and r.backend == "auto":
+        where = "colocated" if roles.colocated else "a dedicated rank"
+        print(f"rollout.backend=auto -> {backend} (rollout.default_backend: {where}, {num_params(path) / 1e6:.1f}M "
+              f"parameters, {r.max_tokens} tokens, {torch.backends.cpu.get_cpu_capability()})", flush=True)
     if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch; sleeps when colocated
-        kw.update(kv_cache_memory_bytes=cfg.rollout.kv_cache_mb << 20, dtype=cfg.model.dtype,
+        kv = kv_cache_bytes(cfg, path, longest_prompt or cfg.data.max_prompt_tokens, max_model_len)
+        if first and not r.kv_cache_mb:
+            print(f"rollout.kv_cache_mb=0 -> {kv / 2**20:.0f} MB: one step's {r.prompts_per_step * r.group_size} rows "
+                  f"(longest prompt {longest_prompt} + {r.max_episode_tokens if r.env else r.max_tokens} tokens)",
+                  flush=True)
+        kw.update(kv_cache_memory_bytes=kv, dtype=cfg.model.dtype,
                   max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems),
                   gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, enforce_eager=cfg.rollout.enforce_eager,
                   colocated=roles.colocated)

@@ -86,8 +86,8 @@ class Rollout:
     top_p: float = 1.0              # nucleus sampling (1.0 = off; logprobs then ignore the truncation)
     top_k: int = -1                 # top-k sampling (-1 = off)
     max_tokens: int = 40            # response budget; also DAPO's L_max and Dr.GRPO's C
-    backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: vllm on GPU, torch on CPU
-    kv_cache_mb: int = 128          # vLLM KV cache per engine, set explicitly (not a RAM fraction)
+    backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: as measured (default_backend)
+    kv_cache_mb: int = 0            # vLLM KV cache per engine in MB (not a RAM fraction); 0 = one step's worth
     gpu_memory_utilization: float = 0.9  # vLLM on CUDA: share of the GPU for weights + KV + graphs, checked against
                                     # free memory at start; colocated it must leave the trainer room (e.g. 0.3)
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode is launch-bound)
@@ -282,7 +282,8 @@ def main(argv=None):
     checks.grpo(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
-    backend = rollout.default_backend() if cfg.rollout.backend == "auto" else cfg.rollout.backend
+    path = run.resolve_model(cfg.model.path)
+    backend = rollout.resolve_backend(cfg, path)
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
     machine.resolve_dtype(cfg, say=roles.rank == 0)  # "auto": measured here, before the engine or the model is built
     torch.manual_seed(cfg.train.seed)
@@ -291,16 +292,15 @@ def main(argv=None):
     B, G, T = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
 
     # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
-    path = run.resolve_model(cfg.model.path)
     tok = data.Tokenizer(path)
+    train, held_out, num_dropped = rollout.load_tasks(cfg, tok)  # before the engine: the longest prompt sizes its KV
     gen = None
-    if roles.is_generator or roles.colocated:
-        gen = rollout.build_generator(cfg, path, roles, tok)  # multi-turn (rollout.env): an engine that plays episodes
+    if roles.is_generator or roles.colocated:  # multi-turn (rollout.env): an engine that plays episodes
+        gen = rollout.build_generator(cfg, path, roles, tok, max(len(p["prompt_ids"]) for p in train + held_out))
     dist.init_distributed(roles, cfg.dist.timeout_s)
     dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = weight_sync.sync_group(roles)
-    train, held_out, num_dropped = rollout.load_tasks(cfg, tok)
     reward_fns, weights = rollout.make_rewards(cfg)
     pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
         if cfg.rollout.reward_workers and roles.is_trainer else None

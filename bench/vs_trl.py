@@ -22,8 +22,8 @@ What is held equal (TRL defaults that differ are pinned, see trl_worker; both re
 Generation: TRL runs its transformers-generate path (its vLLM colocate mode crashes on CPU at the first weight
 sync). nanoforge runs (VARIANTS) its CPU default "torch" (one process, the torch generator colocated), "bf16" (the
 same computing in bf16 from fp32 master weights, model.dtype = "bfloat16": not TRL's fp32, so reported beside the
-fp32 ratio, with its train/generator mismatch), "vllm" (one process, vLLM in process) and "vllm_bf16" (the same in
-bf16), and the distributed layouts, 1 trainer rank + 1 generator rank under torchrun: vLLM with
+fp32 ratio, with its train/generator mismatch), "vllm" (one process, vLLM in process), "vllm_bf16" (the same in
+bf16), "auto" (one process, nothing set: the generator, dtype and KV size "auto" picks), and the distributed layouts, 1 trainer rank + 1 generator rank under torchrun: vLLM with
 max_staleness 0 ("sync") and 1 ("async"), the torch generator with max_staleness 1 ("async_torch"). Runs are one
 after the other, never concurrent.
 
@@ -64,7 +64,7 @@ TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0"]
 SHARED_PINS = ["transformers==5.19.0", "numpy==2.3.5", "torch==2.13.0"]  # must match requirements-cpu.txt
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-VARIANTS = ["torch", "bf16", "vllm", "vllm_bf16", "sync", "async", "async_torch"]
+VARIANTS = ["torch", "bf16", "vllm", "vllm_bf16", "auto", "sync", "async", "async_torch"]
 SIZES = {  # checkpoint (data.make_tiny_checkpoint kwargs, or "smollm2": the real one), base config, lr, workloads
     "tiny": dict(model=dict(), config="configs/tiny.py", lr=3e-4,
                  workloads={"short": dict(prompts=32, max_tokens=40)}, variants=["torch", "sync", "async", "async_torch"]),
@@ -306,6 +306,7 @@ def main():
                 "vllm": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256", fp32], 1),
                 "vllm_bf16": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256",
                                "--model.dtype=bfloat16"], 1),
+                "auto": (["--dist.generator_ranks=0"], 1),  # what a user gets: backend, dtype and KV size "auto"
                 "sync": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=0", fp32], 2),
                 "async": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=1", fp32], 2),
                 "async_torch": ([*rank, "--rollout.backend=torch", "--rollout.max_staleness=1", fp32], 2)}
