@@ -16,6 +16,7 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
   the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there in fp32, 1.5x in bf16
   where oneDNN has bf16 kernels (the torch generator uses them; bench/decode.py).
+- `available_bytes`: the memory the OS can give now, which bounds what a CPU vLLM engine's KV cache may take.
 - `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
   cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
 """
@@ -34,6 +35,15 @@ def info() -> dict:
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": len(os.sched_getaffinity(0)),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
+
+
+def available_bytes() -> int:
+    """Memory the OS can give now: MemAvailable (page cache it can drop included), else the free pages."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _best_s(fn, repeats=3, budget_s=None):
@@ -109,8 +119,9 @@ def resolve_dtype(cfg, say: bool = True) -> None:
 
 
 def thread_budget(cores, local_procs: int, local_rank: int) -> list[int]:
-    """This process's share of `cores` (CPU ids, or a count meaning 0..n-1) when `local_procs` processes of a job share them: equal contiguous
-    slices, the remainder to the first ranks; one core each where there are more processes than cores."""
+    """This process's share of `cores` (CPU ids, or a count meaning 0..n-1) when `local_procs` processes of a job share
+    them: equal contiguous slices, the remainder to the first ranks; one core each where there are more processes than
+    cores."""
     ids = sorted(cores) if not isinstance(cores, int) else list(range(cores))
     if local_procs >= len(ids):
         return [ids[local_rank % len(ids)]]

