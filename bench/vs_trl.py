@@ -20,12 +20,13 @@ What is held equal (TRL defaults that differ are pinned, see trl_worker; both re
                     with bf16=True after it, beside nanoforge's "bf16" variant
 
 Generation: TRL runs its transformers-generate path (its vLLM colocate mode crashes on CPU at the first weight
-sync). nanoforge runs (VARIANTS) its CPU default "torch" (one process, the torch generator colocated), "bf16" (the
-same computing in bf16 from fp32 master weights, model.dtype = "bfloat16": not TRL's fp32, so reported beside the
-fp32 ratio, with its train/generator mismatch), "vllm" (one process, vLLM in process), "vllm_bf16" (the same in
-bf16), "auto" (one process, nothing set: the generator, dtype and KV size "auto" picks), and the distributed layouts, 1 trainer rank + 1 generator rank under torchrun: vLLM with
-max_staleness 0 ("sync") and 1 ("async"), the torch generator with max_staleness 1 ("async_torch"). Runs are one
-after the other, never concurrent.
+sync). nanoforge runs (VARIANTS) "torch" (one process, the torch generator colocated: "auto"'s pick below 128
+tokens, and on AVX2 boxes), "bf16" (the same computing in bf16 from fp32 master weights, model.dtype = "bfloat16":
+not TRL's fp32, so reported beside the fp32 ratio, with its train/generator mismatch), "vllm" (one process, vLLM in
+process), "vllm_bf16" (the same in bf16), "auto" (one process, nothing set: the generator, dtype and KV size "auto"
+picks; "auto_fp32" the same in fp32), and the distributed layouts, 1 trainer rank + 1 generator rank under torchrun:
+vLLM with max_staleness 0 ("sync") and 1 ("async"), the torch generator with max_staleness 1 ("async_torch"). Runs
+are one after the other, never concurrent.
 
 Reported per run: the median step over steps --measure-from..--steps (the first steps pay one-off warm-ups) and its
 split, each part's median: generation / reference (the no-grad reference forward) / update (forward, backward,
@@ -64,7 +65,7 @@ TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0"]
 SHARED_PINS = ["transformers==5.19.0", "numpy==2.3.5", "torch==2.13.0"]  # must match requirements-cpu.txt
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-VARIANTS = ["torch", "bf16", "vllm", "vllm_bf16", "auto", "sync", "async", "async_torch"]
+VARIANTS = ["torch", "bf16", "vllm", "vllm_bf16", "auto", "auto_fp32", "sync", "async", "async_torch"]
 SIZES = {  # checkpoint (data.make_tiny_checkpoint kwargs, or "smollm2": the real one), base config, lr, workloads
     "tiny": dict(model=dict(), config="configs/tiny.py", lr=3e-4,
                  workloads={"short": dict(prompts=32, max_tokens=40)}, variants=["torch", "sync", "async", "async_torch"]),
@@ -278,9 +279,10 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--measure-from", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
-                   help="nanoforge runs: torch (the CPU default: one process, colocated torch generator), bf16 (the "
+                   help="nanoforge runs: torch (one process, colocated torch generator), bf16 (the "
                         "same with model.dtype=bfloat16: bf16 compute, fp32 master weights), vllm "
-                        "(one process, vLLM in process), sync (vLLM rank), async (vLLM rank, staleness 1), "
+                        "(one process, vLLM in process), vllm_bf16, auto (nothing set: what 'auto' picks), auto_fp32, "
+                        "sync (vLLM rank), async (vLLM rank, staleness 1), "
                         "async_torch (torch-generator rank, staleness 1); default: per size")
     p.add_argument("--timeout", type=int, default=2400)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_trl.json"))
@@ -301,12 +303,13 @@ def main():
     py = ensure_trl_venv() if "trl" in a.sides else None
     rank = ["--dist.generator_ranks=1"]  # 1 trainer rank + 1 generator rank under torchrun, one core each
     fp32 = "--model.dtype=float32"  # like for like with TRL's fp32 (the configs' "auto" may pick bf16)
-    variants = {"torch": (["--dist.generator_ranks=0", "--rollout.backend=torch", fp32], 1),  # the CPU default
+    variants = {"torch": (["--dist.generator_ranks=0", "--rollout.backend=torch", fp32], 1),
                 "bf16": (["--dist.generator_ranks=0", "--rollout.backend=torch", "--model.dtype=bfloat16"], 1),
                 "vllm": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256", fp32], 1),
                 "vllm_bf16": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256",
                                "--model.dtype=bfloat16"], 1),
                 "auto": (["--dist.generator_ranks=0"], 1),  # what a user gets: backend, dtype and KV size "auto"
+                "auto_fp32": (["--dist.generator_ranks=0", fp32], 1),  # the same in fp32, like for like with TRL
                 "sync": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=0", fp32], 2),
                 "async": ([*rank, "--rollout.backend=vllm", "--rollout.max_staleness=1", fp32], 2),
                 "async_torch": ([*rank, "--rollout.backend=torch", "--rollout.max_staleness=1", fp32], 2)}
