@@ -20,10 +20,15 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
 4. Parity on the GPU, the oracle being transformers: the 0.5B checkpoint of 0. loaded by model.py and by
    transformers' AutoModelForCausalLM on the same device, logits compared in fp32 and in bf16 on one batch. The bf16
    gap is set beside transformers' own bf16-vs-fp32 gap, the scale bf16 rounding alone produces.
+5. grpo_rank: 0.'s loop at one trainer rank of configs/gsm8k.py (8 prompts x 8 x 512 tokens, micro-batch 16, beta
+   0.04 with the reference model) on a random Qwen2.5-1.5B-shaped checkpoint, 5 steps (medians of steps 3-4): the
+   8-GPU estimate's T_train in docs/gpu.md, measured. --profile adds torch.profiler's top operators by device time
+   of its second update (that run's timings then carry the profiler's cost: read the table, not the step).
 Each part runs on its own: one that fails records its error and the others still run; the JSON is rewritten after
 every part, so a run cut short keeps what it measured.
 
     bash bench/gpu.sh                 # on the GPU machine: prints a table, writes bench/results/gpu.json
+    bash bench/gpu.sh --parts grpo_rank --profile --rank-steps 2    # one part, profiled
     bash bench/gpu.sh --cpu-smoke     # anywhere: the same code at toy sizes on CPU (checks it runs, not speed)
 """
 import argparse
