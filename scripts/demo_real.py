@@ -37,7 +37,8 @@ def backend(cfg):
         return cfg["rollout"]["backend"]
     import rollout
     return "auto: " + rollout.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
-                                                colocated=cfg["dist"]["generator_ranks"] == 0)
+                                                colocated=cfg["dist"]["generator_ranks"] == 0,
+                                                dtype=cfg["model"]["dtype"])
 
 
 def summarize(rows, seconds, cfg):
