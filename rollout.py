@@ -158,8 +158,8 @@ def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len, budget=None) 
 # in every repeat, either order. So colocated, "auto" picks vLLM for >= 20M parameters, >= 128 tokens and bf16
 # compute, with its KV cache sized to the step (kv_cache_bytes; those runs passed 256 MB, and the 128 MB that was
 # the default held ~2.8k fp32 tokens at 135M). Only on AVX-512 boxes, where it was measured (A and C): the AVX2 box
-# (B) has no colocated measurement (and computes in fp32). With all of it "auto" (box C: bf16, KV 180 MB): generation
-# 8.46 s against the torch generator's 10.09, steps 18.32 against 20.65 s.
+# (B) has no colocated measurement (and computes in fp32). With all of it "auto" (box C: bf16, KV 180 MB), two runs,
+# either order: generation 8.46 and 10.28 s against the torch generator's 10.09 and 11.21, steps 0.89 and 0.96.
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
 VLLM_COLOCATED_MIN_TOKENS = 128   # colocated at 135M in bf16: 32-40 tokens torch faster, 128 vLLM faster
