@@ -152,7 +152,7 @@ def load_tasks(cfg):
     unselected."""
     if cfg.data.name == "arith":
         held_out = tasks.make_arith(cfg.eval.num_problems, seed=20_000 + cfg.train.seed,
-                                   min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
+                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
         grpo_test = tasks.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
         return None, held_out, {p["question"] for p in held_out + grpo_test}
     if cfg.data.name == "code":  # GRPO's held-out problems (seed 10_000 + seed) stay out of SFT's data too

@@ -276,48 +276,46 @@ def _count_params(cfg):
         return sum(p.numel() for p in Transformer(cfg).parameters())
 
 
+def part_rows(res, key, title, rows):
+    """A part's table rows: rows(result), or one FAILED row with its error, or none where the part did not run."""
+    r = res.get(key)
+    return [] if not r else [(title, "FAILED: " + r["error"])] if "error" in r else rows(r)
+
+
 def table(res):
     """The results as a two-column Markdown table; a failed part shows its error."""
     fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
+
+    def grpo(title):
+        return lambda gr: [
+            (f"{title}, colocated, bf16, torch generator",
+             f"{gr['config']['steps']} steps of {gr['config']['prompts']} x {gr['config']['samples']} x "
+             f"{gr['config']['max_tokens']} tokens, beta {gr['config'].get('beta', 0.0)}: {gr['step_s']:.2f} s/step, "
+             f"run {gr['wall_s']:.0f} s"),
+            (f"{title} step: gen / ref / train / sync / other", " / ".join(f"{v:.3f}" for v in gr["parts"].values())
+             + " s"),
+            (f"{title} generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
+            (f"{title} update TFLOP/s, MFU; ref TFLOP/s", f"{gr['update_tflops']:.1f}, "
+             f"{fmt(gr['update_mfu'], '.1%')}; {fmt(gr.get('ref_tflops'), '.1f')}"),
+            (f"{title} peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
+            (f"{title} mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
     rows = [("device", res["device"])]
-    par, g, m, tr = (res.get(k, {}) for k in ("parity", "generate", "logprob_memory", "train"))
-    for key, title in (("grpo", "GRPO"), ("grpo_rank", "GRPO, one gsm8k.py trainer rank")):
-        gr = res.get(key, {})
-        if "error" in gr:
-            rows.append((title, "FAILED: " + gr["error"]))
-        elif gr:
-            c, p = gr["config"], gr["parts"]
-            rows += [(f"{title}, colocated, bf16, torch generator",
-                      f"{c['steps']} steps of {c['prompts']} x {c['samples']} x {c['max_tokens']} tokens, beta "
-                      f"{c.get('beta', 0.0)}: {gr['step_s']:.2f} s/step, run {gr['wall_s']:.0f} s"),
-                     (f"{title} step: gen / ref / train / sync / other", " / ".join(f"{p[k]:.3f}" for k in p) + " s"),
-                     (f"{title} generation", f"{gr['gen_tokens_per_s']:.0f} tok/s"),
-                     (f"{title} update TFLOP/s, MFU; ref TFLOP/s", f"{gr['update_tflops']:.1f}, "
-                      f"{fmt(gr['update_mfu'], '.1%')}; {fmt(gr.get('ref_tflops'), '.1f')}"),
-                     (f"{title} peak GPU memory", f"{fmt(gr['peak_mem_gb'], '.1f')} GB"),
-                     (f"{title} mismatch/abs_diff (trainer vs generator)", f"{gr['mismatch_abs_diff']:.2e}")]
-    if "error" in par:
-        rows.append(("parity vs transformers", "FAILED: " + par["error"]))
-    elif par:
-        rows += [(f"parity vs transformers, {par['batch']} x {par['seq']}, max |dlogits|",
-                  f"fp32 {par['fp32_max_abs']:.2e}; bf16 {par['bf16_max_abs']:.2e} (ours vs HF fp32 "
-                  f"{par['bf16_vs_hf_fp32_max_abs']:.2e}, HF bf16 vs HF fp32 {par['hf_bf16_vs_hf_fp32_max_abs']:.2e}; "
-                  f"logits up to {par['logits_scale']:.2f})")]
-    if tr:
-        rows.append(("trainer step (FSDP2, bf16)", "FAILED: " + tr["error"]) if "error" in tr else
-                    ("trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
-                                                   f"{tr['tokens_per_s']:.0f} tok/s, {tr['achieved_tflops']:.1f} "
-                                                   f"TFLOP/s, MFU {fmt(tr['mfu'], '.1%')}"))
-    if "error" in m:
-        rows.append(("logprob peak memory", "FAILED: " + m["error"]))
-    elif m:
-        rows += [(f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB "
-                                                         f"(full fp32 logits: {m['full_fp32_logits_mb']:.0f} MB)"),
-                 (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB")]
-    if g:
-        rows.append(("torch generator", "FAILED: " + g["error"]) if "error" in g else
-                    ("torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: "
-                                        f"{g['tokens_per_s']:.0f} tok/s"))
+    rows += part_rows(res, "grpo", "GRPO", grpo("GRPO"))
+    rows += part_rows(res, "grpo_rank", "GRPO, one gsm8k.py trainer rank", grpo("GRPO, one gsm8k.py trainer rank"))
+    rows += part_rows(res, "parity", "parity vs transformers", lambda par: [(
+        f"parity vs transformers, {par['batch']} x {par['seq']}, max |dlogits|",
+        f"fp32 {par['fp32_max_abs']:.2e}; bf16 {par['bf16_max_abs']:.2e} (ours vs HF fp32 "
+        f"{par['bf16_vs_hf_fp32_max_abs']:.2e}, HF bf16 vs HF fp32 {par['hf_bf16_vs_hf_fp32_max_abs']:.2e}; "
+        f"logits up to {par['logits_scale']:.2f})")])
+    rows += part_rows(res, "train", "trainer step (FSDP2, bf16)", lambda tr: [(
+        "trainer step (FSDP2, bf16)", f"{tr['batch']} x {tr['seq']} tokens, {tr['step_s']:.3f} s, "
+        f"{tr['tokens_per_s']:.0f} tok/s, {tr['achieved_tflops']:.1f} TFLOP/s, MFU {fmt(tr['mfu'], '.1%')}")])
+    rows += part_rows(res, "logprob_memory", "logprob peak memory", lambda m: [
+        (f"logprob peak, T={m['seq']} no grad", f"{fmt(m['no_grad_peak_mb'], '.0f')} MB (full fp32 logits: "
+         f"{m['full_fp32_logits_mb']:.0f} MB)"),
+        (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB")])
+    rows += part_rows(res, "generate", "torch generator", lambda g: [(
+        "torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: {g['tokens_per_s']:.0f} tok/s")])
     rows.append(("total time", f"{res['total_s']:.0f} s"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows)
@@ -383,7 +381,7 @@ def main():
         tr = bench_train(cfg, device, *((2, 32, 2) if smoke else (8, 2048, 5)), mesh)
         return dict(tr, peak_flops=peak, mfu=tr["achieved_tflops"] * 1e12 / peak if peak else None)
     if "train" in a.parts:
-        run_part(res, "train", train, None)
+        run_part(res, "train", train, out)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":
         res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
