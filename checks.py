@@ -37,7 +37,7 @@ def fields(cfg, rules):
 
 
 def optim_rules(c):
-    """The rows both trainers share: dtype, optimizer, schedule, loop, timeouts, checkpoints."""
+    """The rows both trainers share: dtype, optimizer, schedule, loop, timeouts, checkpoints, compile."""
     return [("model.dtype", c.model.dtype in ("float32", "bfloat16", "auto"), "float32, bfloat16 or auto"),
             ("optim.lr", c.optim.lr > 0, "> 0"), ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
             ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
@@ -48,7 +48,9 @@ def optim_rules(c):
             ("data.max_bad_fraction", 0 <= c.data.max_bad_fraction <= 1, "in [0, 1]"),
             ("train.steps", c.train.steps >= 1, ">= 1"), ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
             ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
-            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"), ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)")]
+            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"), ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)"),
+            ("dist.compile", not (c.dist.compile and c.dist.tp > 1), f"False or None with dist.tp={c.dist.tp}: "
+             "torch.compile of tensor-parallel (DTensor) blocks fails while tracing in torch 2.13")]
 
 
 def grpo(cfg, world_size):

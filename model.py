@@ -267,7 +267,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    compiled = None  # torch.compile(self._forward), set by dist.shard_model(compile=True); decode stays eager
+
     def forward(self, x, cos, sin, mask, kv_cache, cache_pos):
+        run = self._forward if kv_cache is not None or self.compiled is None else self.compiled
+        return run(x, cos, sin, mask, kv_cache, cache_pos)
+
+    def _forward(self, x, cos, sin, mask, kv_cache, cache_pos):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -77,7 +77,10 @@ GRPO = dict(steps=20, prompts=16, samples=8, max_tokens=256, micro_batch=32)
 QWEN25_15B_CKPT = {k: QWEN25_15B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}
 GRPO_RANK = dict(steps=5, prompts=8, samples=8, max_tokens=512, micro_batch=16, beta=0.04)
-PARTS = ("grpo", "parity", "generate", "logprob_memory", "train", "grpo_rank")
+PARTS = ("grpo", "parity", "generate", "logprob_memory", "train", "grpo_rank", "update")
+# the update levers at grpo_rank's batch (8 prompts x 8 samples, 20 prompt tokens, responses up to 512)
+UPDATE = dict(prompts=8, samples=8, prompt_tokens=20, max_tokens=512, repeats=3)
+UPDATE_VARIANTS = ("eager_16", "eager_32", "compiled_16", "compiled_32")
 GRPO_SMOKE = dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=32, vocab_size=512)
 
@@ -231,6 +234,62 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=Fal
                 mismatch_abs_diff=med("mismatch/abs_diff"), config=run, profile=tables[0] if tables else None)
 
 
+def bench_update(cfg, device, mesh, run, variants):
+    """train_grpo.update itself on one fixed batch, per variant (micro-batch, blocks compiled or eager): the levers
+    against the host-bound update grpo_rank measured. Every variant starts from the same random weights (seed 0),
+    runs one untimed update (warm-up; compilation for a compiled variant), then run["repeats"] timed ones."""
+    import checks
+    import losses
+    import packing
+    import run as run_lib
+    import train_grpo
+    from generator import Completion
+    g = torch.Generator().manual_seed(0)
+    P, R, G = run["prompt_tokens"], run["max_tokens"], run["samples"]
+    problems = [dict(prompt_ids=torch.randint(3, cfg.vocab_size, (P,), generator=g).tolist())
+                for _ in range(run["prompts"])]
+    # GSM8K-like spread: lengths uniform in [R/4, R], so packing and changing shapes are exercised as in training
+    groups = [[Completion(p["prompt_ids"], torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), "",
+                          [0.0] * n, "length", 0) for n in torch.randint(R // 4, R + 1, (G,), generator=g).tolist()]
+              for p in problems]
+    batch = packing.make_batch(problems, groups, 0)
+    adv = torch.randn(len(batch["ids"]), generator=g)
+    out, base_logp = dict(config=run, response_tokens=int(batch["mask"].sum())), None
+    for name in variants:  # "eager_16", "compiled_32", ...
+        mode, mb = name.split("_")
+        tcfg = train_grpo.parse_config([str(ROOT / "configs" / "tiny.py"), f"--train.micro_batch={mb}",
+                                        "--loss.kwargs={'beta': 0.0, 'agg': 'token_mean'}", "--loss.entropy_coef=0.01",
+                                        "--optim.lr=1e-6"])
+        loss_fn = losses.LOSSES[tcfg.loss.name](**checks.loss_kwargs(tcfg))
+        torch.manual_seed(0)
+        model = dist.shard_model(random_model(cfg, device, torch.float32), mesh, param_dtype=torch.bfloat16,
+                                 compile=mode == "compiled")
+        opt, sched = run_lib.make_optimizer(model, tcfg.optim, 10)
+        try:
+            logp = packing.no_grad_logp(model, batch, int(mb), 1.0)
+            base_logp = logp if base_logp is None else base_logp
+            times = []
+            free_gpu(device)
+            for i in range(run["repeats"] + 1):  # the first: warm-up, and compilation
+                sync(device)
+                t0 = time.perf_counter()
+                sums = train_grpo.update(model, opt, sched, loss_fn, batch, adv, None, None, tcfg, device, i)[0]
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times[1:])
+            mask = batch["mask"].bool()
+            out[name] = dict(update_s=step, first_update_s=times[0], samples=times[1:],
+                             tflops=sums["perf/update_gflop"] / step / 1e3, pad_frac=sums["perf/pad_frac"],
+                             logp_abs_diff_vs_first=float((logp.cpu() - base_logp.cpu())[mask].abs().mean()),
+                             peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
+        except Exception as e:  # noqa: BLE001  one variant failing (out of memory, a compile error) is a result
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        print(f"update {name}: {out[name]}", flush=True)
+        del model, opt, sched
+        free_gpu(device)
+    return out
+
+
 def bench_parity(ckpt, vocab, device, batch, seq):
     """max |logits - transformers' logits| for model.py on `device`, in fp32 and bf16 (see the module docstring)."""
     from transformers import AutoModelForCausalLM
@@ -316,6 +375,11 @@ def table(res):
         (f"logprob peak, T={m['seq']} fwd+bwd", f"{fmt(m['fwd_bwd_peak_mb'], '.0f')} MB")])
     rows += part_rows(res, "generate", "torch generator", lambda g: [(
         "torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: {g['tokens_per_s']:.0f} tok/s")])
+    rows += part_rows(res, "update", "update levers", lambda u: [
+        (f"update, {k}", v["error"] if "error" in v else
+         f"{v['update_s']:.3f} s ({v['tflops']:.0f} TFLOP/s, MFU {fmt(res['peak'] and v['tflops'] * 1e12 / res['peak'], '.1%')}), "
+         f"first {v['first_update_s']:.1f} s, peak {fmt(v['peak_mem_gb'], '.1f')} GB, |dlogp| vs the first "
+         f"{v['logp_abs_diff_vs_first']:.1e}") for k, v in u.items() if isinstance(v, dict) and k != "config"])
     rows.append(("total time", f"{res['total_s']:.0f} s"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"| {k:{w}s} | {v} |" for k, v in rows)
@@ -328,6 +392,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="grpo_rank: torch.profiler's top operators of one update")
     p.add_argument("--rank-steps", type=int, default=GRPO_RANK["steps"], help="grpo_rank's steps")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run (default: all)")
+    p.add_argument("--variants", nargs="+", default=UPDATE_VARIANTS, help="update: <eager|compiled>_<micro-batch>")
     a = p.parse_args()
     smoke = a.cpu_smoke
     if not smoke and not torch.cuda.is_available():
@@ -338,7 +403,7 @@ def main():
     peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
     out = None if smoke else a.out
     t_all = time.perf_counter()
-    res = {"device": name, "machine": machine.info(), "torch": torch.__version__,
+    res = {"device": name, "peak": peak, "machine": machine.info(), "torch": torch.__version__,
            "model": "toy" if smoke else "Qwen2.5-1.5B-shaped (random)"}
     workdir = tempfile.TemporaryDirectory()  # the 0.5B checkpoint (2 GB in fp32) and the GRPO run's outputs
     shape = GRPO_SMOKE if smoke else QWEN25_05B
@@ -382,6 +447,9 @@ def main():
         return dict(tr, peak_flops=peak, mfu=tr["achieved_tflops"] * 1e12 / peak if peak else None)
     if "train" in a.parts:
         run_part(res, "train", train, out)
+    if "update" in a.parts:
+        upd = dict(UPDATE, prompts=2, samples=4, prompt_tokens=6, max_tokens=16, repeats=1) if smoke else UPDATE
+        run_part(res, "update", lambda: bench_update(cfg, device, mesh, upd, a.variants), out)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":
         res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

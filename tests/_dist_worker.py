@@ -93,9 +93,10 @@ def train_step(m, opt, ids, mesh):
     return loss.item() / dp.size(), norm.item()
 
 
-def trainers2(roles, out):
-    """World 2, two trainer ranks: FSDP, TP, FSDP + activation checkpointing vs one rank; colocated sync; resume."""
-    res, cfg = {}, tiny_cfg("qwen2", tie=True)
+def against_one_rank(roles, cfg, variants):
+    """Each (name, dp, tp, activation checkpointing, compile) mesh against one unsharded rank on the whole batch: the
+    plain, shared-prompt and packed forwards, their gradients, one SGD step. -> ({name: diffs}, the last model)."""
+    res = {}
     ids = batch(1)
     ref = make_model(cfg, 0)
     ref_loss = nll(ref, ids)
@@ -115,9 +116,9 @@ def trainers2(roles, out):
     ref_packed_loss = packed_nll(pk, pb, slice(0, 8), False, 1 / n_real)
     ref_packed_loss.backward()
     ref_packed_grads = {n: p.grad.clone() for n, p in pk.named_parameters()}
-    for name, dp, tp, ac in [("fsdp", 2, 1, False), ("tp", 1, 2, False), ("fsdp_ac", 2, 1, True)]:
+    for name, dp, tp, ac, compiled in variants:
         mesh = D.trainer_mesh(roles, dp, tp)
-        m = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
+        m = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac, compile=compiled)
         rows = ids.chunk(dp)[mesh["dp_shard"].get_local_rank()]
         loss = nll(m, rows)
         loss.backward()
@@ -126,12 +127,12 @@ def trainers2(roles, out):
         torch.optim.SGD(m.parameters(), lr=0.5).step()
         loss = loss.detach().clone()
         dist.all_reduce(loss, group=mesh["dp_shard"].get_group())
-        pm = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
+        pm = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac, compile=compiled)
         prefix_loss = prefix_nll(pm, pids.chunk(dp)[mesh["dp_shard"].get_local_rank()], P)  # pairs stay whole
         prefix_loss.backward()
         prefix_loss = prefix_loss.detach().clone()
         dist.all_reduce(prefix_loss, group=mesh["dp_shard"].get_group())
-        km = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac)
+        km = D.shard_model(make_model(cfg, 0), mesh, activation_checkpointing=ac, compile=compiled)
         r = mesh["dp_shard"].get_local_rank()
         # FSDP averages grads over dp ranks: each rank's share of the sum, times dp
         packed_loss = packed_nll(km, pb, slice(r * 8 // dp, (r + 1) * 8 // dp), True, dp / n_real)
@@ -146,6 +147,14 @@ def trainers2(roles, out):
                      "packed_grad": max_diff({n: full(p.grad) for n, p in km.named_parameters()}, ref_packed_grads),
                      "tied": m.lm_head.weight is m.model.embed_tokens.weight,
                      "names": sorted(n for n, _ in m.named_parameters()) == sorted(ref_after)}
+    return res, m
+
+
+def trainers2(roles, out):
+    """World 2, two trainer ranks: FSDP, TP, FSDP + activation checkpointing vs one rank; colocated sync; resume."""
+    cfg = tiny_cfg("qwen2", tie=True)
+    res, m = against_one_rank(roles, cfg, [("fsdp", 2, 1, False, False), ("tp", 1, 2, False, False),
+                                           ("fsdp_ac", 2, 1, True, False)])
 
     # colocated sync: no generator ranks, each trainer hands full tensors to its own in-process receiver
     recv_model, got = make_model(cfg, 7), []
@@ -193,6 +202,27 @@ def trainers2(roles, out):
     C.load_checkpoint(path, m3, opt3)
     train_step(m3, opt3, batch(2), mesh_tp)
     res["ckpt"]["reshard_tp_diff"] = max_diff(full_params(m3), want)
+    return res
+
+
+def compiled2(roles, out):
+    """World 2: dist.compile's blocks (torch.compile, the GPU default) against one eager unsharded rank, as trainers2
+    checks the eager meshes, plus no-grad logprobs (the reference model's and the old policy's pass) and a KV-cache
+    decode, which stays eager."""
+    cfg = tiny_cfg("qwen2", tie=True)
+    res, _ = against_one_rank(roles, cfg, [("fsdp_compiled", 2, 1, False, True), ("fsdp_ac_compiled", 2, 1, True, True)])
+    pb, ref = packed_batch(3), make_model(cfg, 0)
+    m = D.shard_model(make_model(cfg, 0), D.trainer_mesh(roles, 2, 1), compile=True)
+    with torch.no_grad():
+        for packed in (False, True):
+            want = packing.response_logp(ref, pb, slice(0, 8), 1.0, packed=packed)
+            got = packing.response_logp(m, pb, slice(0, 8), 1.0, packed=packed)
+            res[f"no_grad_packed_{packed}"] = (got - want).abs().max().item()
+        cache, ids = M.KVCache(cfg, 2, 16, torch.float32, "cpu"), batch(4, B=2, T=6)
+        m(ids[:, :5], kv_cache=cache)
+        step = m(ids[:, 5:], kv_cache=cache, cache_pos=5)[:, -1]
+        res["decode"] = (step - ref(ids)[:, -1]).abs().max().item()
+    res["compiled_blocks"] = all(b.compiled is not None for b in m.model.layers)
     return res
 
 
@@ -311,7 +341,7 @@ def main():
     timeout_s = {"die": 10, "hang": 5}.get(scenario, 120)
     roles = D.get_roles(generator_ranks)
     D.init_distributed(roles, timeout_s=timeout_s)
-    fn = {"trainers2": trainers2, "sync2": lambda r, o: sync(r, o, 1), "sync3": lambda r, o: sync(r, o, 2),
+    fn = {"trainers2": trainers2, "compiled2": compiled2, "sync2": lambda r, o: sync(r, o, 1), "sync3": lambda r, o: sync(r, o, 2),
           "die": die, "hang": hang, "world1": world1}[scenario]
     res = fn(roles, out)
     with open(Path(out) / f"{scenario}_rank{roles.rank}.json", "w") as f:

@@ -172,6 +172,18 @@ def test_a_wrong_world_size_fails_validation():
         checks.grpo(cfg, 2)
 
 
+def test_compile_with_tensor_parallel_fails_validation():
+    """dist.compile=True under TP is refused at config time (the traced DTensor blocks fail, tests/test_dist.py);
+    None (the default) is accepted there: it resolves to eager under TP."""
+    import train_grpo
+    import train_sft
+    for mod, check in ((train_grpo, checks.grpo), (train_sft, checks.sft)):
+        base = [str(ROOT / "configs" / ("tiny.py" if mod is train_grpo else "sft_tiny.py")), "--dist.tp=2"]
+        with pytest.raises(config.ConfigError, match="dist.compile=True must be False or None with dist.tp=2"):
+            check(mod.parse_config([*base, "--dist.compile=true"]), 2)
+        check(mod.parse_config(base), 2)
+
+
 def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
     """SimpleGRPO's ratio is always 1 (it ignores old_logprobs): stale batches or several updates per batch get a
     warning at config time, naming the fields; on-policy with one update it says nothing."""
