@@ -49,7 +49,7 @@ def optim_rules(c):
             ("train.steps", c.train.steps >= 1, ">= 1"), ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
             ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
             ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"), ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)"),
-            ("dist.compile", not (c.dist.compile and c.dist.tp > 1), f"False or None with dist.tp={c.dist.tp}: "
+            ("dist.compile", not (c.dist.compile and c.dist.tp > 1), f"False with dist.tp={c.dist.tp}: "
              "torch.compile of tensor-parallel (DTensor) blocks fails while tracing in torch 2.13")]
 
 

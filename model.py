@@ -174,15 +174,17 @@ class SharedPrefix:
     """How one flat sequence of N = U*Pp + B*T tokens splits: U distinct prompts of Pp tokens (left-padded), then B
     completion rows of T tokens, row b continuing prompt rows[b]. Passed to the blocks in place of the mask: norms,
     MLPs and projections act per token on the flat sequence (one call per block, so FSDP2's hooks see one forward),
-    attention is the only place rows meet."""
-    U: int
-    Pp: int
-    B: int
-    T: int
+    attention is the only place rows meet. The sizes are read off the masks' shapes: torch.compile (dist.compile)
+    then sees tensor dimensions, which turn symbolic after a second shape, instead of Python ints it would
+    specialize on and recompile for at every new prompt or response length."""
     rows: torch.Tensor      # (B,) index of each completion row's prompt; None: packed rows
     mask_p: torch.Tensor    # (U, 1, Pp, Pp) causal + prompt padding
     mask_c: torch.Tensor    # (B, 1, T, Pp + T) a completion row sees its prompt, then itself causally
     #                         packed: (B, 1, T, U*Pp + T), every prompt's keys, each token its own prompt's only
+    U = property(lambda self: self.mask_p.shape[0])
+    Pp = property(lambda self: self.mask_p.shape[2])
+    B = property(lambda self: self.mask_c.shape[0])
+    T = property(lambda self: self.mask_c.shape[2])
 
     def attend(self, q, k, v):
         """q (1, H, N, D), k and v (1, H_kv, N, D) -> (1, H, N, D)."""
@@ -404,7 +406,7 @@ class Transformer(nn.Module):
         elif position_ids is None or mask_c.shape != (B, 1, T, U * Pp + T):
             raise ValueError(f"packed prefix needs position_ids (B, T) and mask_c (B, 1, T, U*Pp + T) = "
                              f"{(B, 1, T, U * Pp + T)}")
-        layout = SharedPrefix(U, Pp, B, T, rows, padding_mask(prompt_mask, 0, Pp), mask_c)
+        layout = SharedPrefix(rows, padding_mask(prompt_mask, 0, Pp), mask_c)
         position_ids = torch.cat([mask_positions(prompt_mask).reshape(1, -1), position_ids.reshape(1, -1)], 1)
         return torch.cat([prompt_ids.reshape(1, -1), ids.reshape(1, -1)], 1), position_ids, layout
 

@@ -23,12 +23,18 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
 5. grpo_rank: 0.'s loop at one trainer rank of configs/gsm8k.py (8 prompts x 8 x 512 tokens, micro-batch 16, beta
    0.04 with the reference model) on a random Qwen2.5-1.5B-shaped checkpoint, 5 steps (medians of steps 3-4): the
    8-GPU estimate's T_train in docs/gpu.md, measured. --profile adds torch.profiler's top operators by device time
-   of its second update (that run's timings then carry the profiler's cost: read the table, not the step).
+   of its second update (that run's timings then carry the profiler's cost: read the table, not the step);
+   --compile runs it with dist.compile on.
+6. update: train_grpo.update alone at 5.'s shape (8 prompts of ~20 tokens x 8 responses of 128-512), per variant
+   <eager|compiled>_<micro-batch>[_fresh]: blocks eager or torch.compile'd (dist.compile); _fresh draws a new
+   batch (new shapes) for every update, as training does. Each variant
+   starts from the same weights: one untimed update, then --repeats timed ones (every sample is kept).
 Each part runs on its own: one that fails records its error and the others still run; the JSON is rewritten after
 every part, so a run cut short keeps what it measured.
 
     bash bench/gpu.sh                 # on the GPU machine: prints a table, writes bench/results/gpu.json
     bash bench/gpu.sh --parts grpo_rank --profile --rank-steps 2    # one part, profiled
+    bash bench/gpu.sh --parts update --variants eager_16_fresh compiled_16_fresh --repeats 8
     bash bench/gpu.sh --cpu-smoke     # anywhere: the same code at toy sizes on CPU (checks it runs, not speed)
 """
 import argparse
@@ -175,7 +181,7 @@ def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
                 tokens_per_s=tokens / dt)
 
 
-def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=False):
+def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=False, compile=False):
     """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring.
     profile: torch.profiler around the second step's update, its top operators by device time kept as text."""
     import train_grpo
@@ -201,7 +207,8 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=Fal
             f"--train.micro_batch={run['micro_batch']}", "--loss.entropy_coef=0.01", "--eval.every=0",
             f"--eval.num_problems={run['prompts']}", "--log.plot_every_s=1e9", f"--log.out_dir={workdir}",
             f"--log.run={name}", f"--loss.kwargs={{'beta': {run.get('beta', 0.0)}, 'agg': 'token_mean'}}",
-            "--rollout.overlong_cache=0"]  # tiny.py's length penalty needs max_tokens > 16; a speed probe needs none
+            "--rollout.overlong_cache=0",  # tiny.py's length penalty needs max_tokens > 16; a speed probe needs none
+            f"--dist.compile={compile}"]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -244,19 +251,21 @@ def bench_update(cfg, device, mesh, run, variants):
     import run as run_lib
     import train_grpo
     from generator import Completion
-    g = torch.Generator().manual_seed(0)
     P, R, G = run["prompt_tokens"], run["max_tokens"], run["samples"]
-    problems = [dict(prompt_ids=torch.randint(3, cfg.vocab_size, (P,), generator=g).tolist())
-                for _ in range(run["prompts"])]
-    # GSM8K-like spread: lengths uniform in [R/4, R], so packing and changing shapes are exercised as in training
-    groups = [[Completion(p["prompt_ids"], torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), "",
-                          [0.0] * n, "length", 0) for n in torch.randint(R // 4, R + 1, (G,), generator=g).tolist()]
-              for p in problems]
-    batch = packing.make_batch(problems, groups, 0)
-    adv = torch.randn(len(batch["ids"]), generator=g)
+
+    def make(seed):  # GSM8K-like spread: lengths uniform in [R/4, R], prompts of P +- 25%: packing and shapes vary
+        g = torch.Generator().manual_seed(seed)
+        problems = [dict(prompt_ids=torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist())
+                    for n in torch.randint(P * 3 // 4, P * 5 // 4 + 1, (run["prompts"],), generator=g).tolist()]
+        groups = [[Completion(p["prompt_ids"], torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), "",
+                              [0.0] * n, "length", 0) for n in torch.randint(R // 4, R + 1, (G,), generator=g).tolist()]
+                  for p in problems]
+        return packing.make_batch(problems, groups, 0), torch.randn(len(problems) * G, generator=g)
+    batch, adv = make(0)
     out, base_logp = dict(config=run, response_tokens=int(batch["mask"].sum())), None
-    for name in variants:  # "eager_16", "compiled_32", ...
-        mode, mb = name.split("_")
+    for name in variants:  # "eager_16", "compiled_32", "compiled_16_fresh" (a new batch, new shapes, every update)
+        mode, mb, *fresh = name.split("_")
+        torch._dynamo.reset()  # each variant compiles from scratch
         tcfg = train_grpo.parse_config([str(ROOT / "configs" / "tiny.py"), f"--train.micro_batch={mb}",
                                         "--loss.kwargs={'beta': 0.0, 'agg': 'token_mean'}", "--loss.entropy_coef=0.01",
                                         "--optim.lr=1e-6"])
@@ -273,7 +282,8 @@ def bench_update(cfg, device, mesh, run, variants):
             for i in range(run["repeats"] + 1):  # the first: warm-up, and compilation
                 sync(device)
                 t0 = time.perf_counter()
-                sums = train_grpo.update(model, opt, sched, loss_fn, batch, adv, None, None, tcfg, device, i)[0]
+                b, a = make(i + 1) if fresh else (batch, adv)
+                sums = train_grpo.update(model, opt, sched, loss_fn, b, a, None, None, tcfg, device, i)[0]
                 sync(device)
                 times.append(time.perf_counter() - t0)
             step = statistics.median(times[1:])
@@ -281,6 +291,7 @@ def bench_update(cfg, device, mesh, run, variants):
             out[name] = dict(update_s=step, first_update_s=times[0], samples=times[1:],
                              tflops=sums["perf/update_gflop"] / step / 1e3, pad_frac=sums["perf/pad_frac"],
                              logp_abs_diff_vs_first=float((logp.cpu() - base_logp.cpu())[mask].abs().mean()),
+                             graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
                              peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
         except Exception as e:  # noqa: BLE001  one variant failing (out of memory, a compile error) is a result
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -377,7 +388,8 @@ def table(res):
         "torch generator", f"{g['prompts']} x {g['n']} x {g['new_tokens']} tokens: {g['tokens_per_s']:.0f} tok/s")])
     rows += part_rows(res, "update", "update levers", lambda u: [
         (f"update, {k}", v["error"] if "error" in v else
-         f"{v['update_s']:.3f} s ({v['tflops']:.0f} TFLOP/s, MFU {fmt(res['peak'] and v['tflops'] * 1e12 / res['peak'], '.1%')}), "
+         f"{v['update_s']:.3f} s ({v['tflops']:.0f} TFLOP/s, MFU "
+         f"{fmt(res['peak'] and v['tflops'] * 1e12 / res['peak'], '.1%')}), "
          f"first {v['first_update_s']:.1f} s, peak {fmt(v['peak_mem_gb'], '.1f')} GB, |dlogp| vs the first "
          f"{v['logp_abs_diff_vs_first']:.1e}") for k, v in u.items() if isinstance(v, dict) and k != "config"])
     rows.append(("total time", f"{res['total_s']:.0f} s"))
@@ -390,9 +402,12 @@ def main():
     p.add_argument("--cpu-smoke", action="store_true", help="toy sizes on CPU: checks the script, not the speed")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu.json"))
     p.add_argument("--profile", action="store_true", help="grpo_rank: torch.profiler's top operators of one update")
+    p.add_argument("--compile", action="store_true", help="grpo_rank: with dist.compile (torch.compile per block)")
     p.add_argument("--rank-steps", type=int, default=GRPO_RANK["steps"], help="grpo_rank's steps")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run (default: all)")
-    p.add_argument("--variants", nargs="+", default=UPDATE_VARIANTS, help="update: <eager|compiled>_<micro-batch>")
+    p.add_argument("--variants", nargs="+", default=UPDATE_VARIANTS,
+                   help="update: <eager|compiled>_<micro-batch>[_fresh] (fresh: a new batch every update)")
+    p.add_argument("--repeats", type=int, default=0, help="update: timed updates per variant (0: the default)")
     a = p.parse_args()
     smoke = a.cpu_smoke
     if not smoke and not torch.cuda.is_available():
@@ -428,7 +443,7 @@ def main():
                                                                      **rank_shape)
             rank_run = dict(run, beta=GRPO_RANK["beta"]) if smoke else dict(GRPO_RANK, steps=a.rank_steps)
             run_part(res, "grpo_rank", lambda: bench_grpo(rank_ckpt, rank_shape, rank_run, device, workdir.name,
-                                                          peak, "grpo_rank", a.profile), out)
+                                                          peak, "grpo_rank", a.profile, a.compile), out)
 
     roles = dist.get_roles(0)  # train_grpo.main has left its world: a new one for the probes below
     if smoke:
@@ -448,8 +463,10 @@ def main():
     if "train" in a.parts:
         run_part(res, "train", train, out)
     if "update" in a.parts:
-        upd = dict(UPDATE, prompts=2, samples=4, prompt_tokens=6, max_tokens=16, repeats=1) if smoke else UPDATE
-        run_part(res, "update", lambda: bench_update(cfg, device, mesh, upd, a.variants), out)
+        upd = dict(UPDATE, prompts=2, samples=4, prompt_tokens=6, max_tokens=16, repeats=a.repeats or 2) if smoke \
+            else dict(UPDATE, repeats=a.repeats or UPDATE["repeats"])
+        variants = ("eager_16", "compiled_16_fresh") if smoke and a.variants == UPDATE_VARIANTS else a.variants
+        run_part(res, "update", lambda: bench_update(cfg, device, mesh, upd, variants), out)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":
         res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -206,11 +206,12 @@ def trainers2(roles, out):
 
 
 def compiled2(roles, out):
-    """World 2: dist.compile's blocks (torch.compile, the GPU default) against one eager unsharded rank, as trainers2
+    """World 2: dist.compile's blocks (torch.compile) against one eager unsharded rank, as trainers2
     checks the eager meshes, plus no-grad logprobs (the reference model's and the old policy's pass) and a KV-cache
     decode, which stays eager."""
     cfg = tiny_cfg("qwen2", tie=True)
-    res, _ = against_one_rank(roles, cfg, [("fsdp_compiled", 2, 1, False, True), ("fsdp_ac_compiled", 2, 1, True, True)])
+    res, _ = against_one_rank(roles, cfg, [("fsdp_compiled", 2, 1, False, True),
+                                           ("fsdp_ac_compiled", 2, 1, True, True)])
     pb, ref = packed_batch(3), make_model(cfg, 0)
     m = D.shard_model(make_model(cfg, 0), D.trainer_mesh(roles, 2, 1), compile=True)
     with torch.no_grad():

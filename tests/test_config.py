@@ -173,13 +173,13 @@ def test_a_wrong_world_size_fails_validation():
 
 
 def test_compile_with_tensor_parallel_fails_validation():
-    """dist.compile=True under TP is refused at config time (the traced DTensor blocks fail, tests/test_dist.py);
-    None (the default) is accepted there: it resolves to eager under TP."""
+    """dist.compile=True under TP is refused at config time (tracing the DTensor blocks fails); the default, False,
+    passes there."""
     import train_grpo
     import train_sft
     for mod, check in ((train_grpo, checks.grpo), (train_sft, checks.sft)):
         base = [str(ROOT / "configs" / ("tiny.py" if mod is train_grpo else "sft_tiny.py")), "--dist.tp=2"]
-        with pytest.raises(config.ConfigError, match="dist.compile=True must be False or None with dist.tp=2"):
+        with pytest.raises(config.ConfigError, match="dist.compile=True must be False with dist.tp=2"):
             check(mod.parse_config([*base, "--dist.compile=true"]), 2)
         check(mod.parse_config(base), 2)
 
