@@ -14,6 +14,7 @@ content). Each variant builds its own model and optimizer, runs one untimed upda
                    model.ChunkLogp: checkpointed log_softmax / gather / exp chain)
     chunk_<n>      fsdp_fp32 with the logprob/entropy chunk at n tokens instead of 1024
     compile        plain_fp32 under torch.compile (needs a C++ compiler)
+    fsdp_compiled  fsdp_fp32 with dist.compile: each block torch.compile'd inside FSDP2 (needs a C++ compiler)
 
 Reported per variant: median update seconds, its achieved GFLOP/s (packing.forward_flops x 3) against a fp32 and a
 bf16 2048^3 matmul measured in the same run, the optimizer step's share, the reference forward (no grad) in the
@@ -51,7 +52,7 @@ from vs_trl import G, SIZES, train_overrides  # noqa: E402
 
 CHUNKED_LOGPROBS, RESPONSE_LOGP = model_lib.chunked_logprobs, packing.response_logp
 VARIANTS = ["fsdp_fp32", "padded_fp32", "plain_fp32", "fsdp_bf16", "adamw_loop", "autograd_logp", "chunk_256",
-            "chunk_4096", "compile"]
+            "chunk_4096", "compile", "fsdp_compiled"]
 
 
 def make_step_batch(cfg, tok, R, path, sampled=False):
@@ -96,7 +97,8 @@ def build(variant, path, mesh, cfg):
         else RESPONSE_LOGP
     m = model_lib.Transformer.from_pretrained(path)
     if variant not in ("plain_fp32", "compile"):
-        dist.shard_model(m, mesh, param_dtype=torch.bfloat16 if variant == "fsdp_bf16" else None)
+        dist.shard_model(m, mesh, param_dtype=torch.bfloat16 if variant == "fsdp_bf16" else None,
+                         compile=variant == "fsdp_compiled")
     if variant.startswith("chunk_"):
         n, forward = int(variant.split("_")[1]), m.forward
         m.forward = lambda *a, **kw: forward(*a, **kw, logits_chunk=n)
