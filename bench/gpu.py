@@ -27,8 +27,8 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
    --compile runs it with dist.compile on.
 6. update: train_grpo.update alone at 5.'s shape (8 prompts of ~20 tokens x 8 responses of 128-512), per variant
    <eager|compiled>_<micro-batch>[_fresh]: blocks eager or torch.compile'd (dist.compile); _fresh draws a new
-   batch (new shapes) for every update, as training does. Each variant
-   starts from the same weights: one untimed update, then --repeats timed ones (every sample is kept).
+   batch (new shapes) for every update, as training does. Each variant starts from the same weights: one untimed
+   update, then --repeats timed ones (every sample is kept).
 Each part runs on its own: one that fails records its error and the others still run; the JSON is rewritten after
 every part, so a run cut short keeps what it measured.
 
@@ -242,9 +242,10 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=Fal
 
 
 def bench_update(cfg, device, mesh, run, variants):
-    """train_grpo.update itself on one fixed batch, per variant (micro-batch, blocks compiled or eager): the levers
-    against the host-bound update grpo_rank measured. Every variant starts from the same random weights (seed 0),
-    runs one untimed update (warm-up; compilation for a compiled variant), then run["repeats"] timed ones."""
+    """train_grpo.update itself, per variant (micro-batch, blocks compiled or eager, the same batch every update or a
+    fresh one): the levers against the host-bound update grpo_rank measured. Every variant starts from the same
+    random weights (seed 0), runs one untimed update (warm-up; compilation for a compiled variant), then
+    run["repeats"] timed ones. The logprobs compared across variants are those of batch 0, before any update."""
     import checks
     import losses
     import packing
@@ -280,9 +281,9 @@ def bench_update(cfg, device, mesh, run, variants):
             times = []
             free_gpu(device)
             for i in range(run["repeats"] + 1):  # the first: warm-up, and compilation
+                b, a = make(i + 1) if fresh else (batch, adv)  # built before the clock
                 sync(device)
                 t0 = time.perf_counter()
-                b, a = make(i + 1) if fresh else (batch, adv)
                 sums = train_grpo.update(model, opt, sched, loss_fn, b, a, None, None, tcfg, device, i)[0]
                 sync(device)
                 times.append(time.perf_counter() - t0)
