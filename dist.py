@@ -200,13 +200,21 @@ TP_PLAN = {
 }
 
 
+def compile_block(block):
+    """block.forward -> torch.compile'd for the forwards without a KV cache (the update, reference and old-policy
+    logprobs, SFT); decode keeps the eager forward, whose cache position changes at every token."""
+    eager, compiled = block.forward, torch.compile(block.forward)
+    block.forward = lambda x, cos, sin, mask, kv_cache, cache_pos: \
+        (eager if kv_cache is not None else compiled)(x, cos, sin, mask, kv_cache, cache_pos)
+
+
 def shard_model(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, activation_checkpointing=False,
                 compile=False):
     """TP (when mesh["tp"] > 1), then FSDP2 per block and on the root. In place; returns the model.
     param_dtype: compute dtype of the gathered params (bf16 on GPU; None = keep the stored fp32 on CPU); the
     sharded master weights, grads and optimizer state stay in the stored dtype, reduce_dtype is the grad reduction.
-    compile: torch.compile each block's body (Block.compiled), the way TorchTitan compiles per block: FSDP2's
-    gathers stay eager around it, parameter names are unchanged, and KV-cache decode keeps the eager body. On one
+    compile: torch.compile each block's forward, the way TorchTitan compiles per block: FSDP2's gathers stay eager
+    around it, parameter names are unchanged, and KV-cache decode keeps the eager forward (compile_block). On one
     H200 at 1.5B (bench/gpu.py's update part, a new batch every update) it took the update from 2.46 s to 1.23 s
     once the second update had compiled the dynamic-shape graphs (~40 s of compiling in all)."""
     cfg, tp = model.cfg, mesh["tp"].size()
@@ -219,7 +227,8 @@ def shard_model(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, ac
             parallelize_module(block, mesh["tp"], TP_PLAN)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.model.layers:
-        block.compiled = torch.compile(block._forward) if compile else None
+        if compile:
+            compile_block(block)
         if activation_checkpointing:
             checkpoint_activations(block)  # recompute the block in backward: store only its input
         fully_shard(block, mesh=mesh["dp_shard"], mp_policy=mp)

@@ -174,17 +174,14 @@ class SharedPrefix:
     """How one flat sequence of N = U*Pp + B*T tokens splits: U distinct prompts of Pp tokens (left-padded), then B
     completion rows of T tokens, row b continuing prompt rows[b]. Passed to the blocks in place of the mask: norms,
     MLPs and projections act per token on the flat sequence (one call per block, so FSDP2's hooks see one forward),
-    attention is the only place rows meet. The sizes are read off the masks' shapes: torch.compile (dist.compile)
-    then sees tensor dimensions, which turn symbolic after a second shape, instead of Python ints it would
-    specialize on and recompile for at every new prompt or response length."""
+    attention is the only place rows meet. Sizes are read off the masks: torch.compile (dist.compile) then sees
+    tensor dimensions, symbolic after a second shape, not ints it would recompile for at every new length."""
     rows: torch.Tensor      # (B,) index of each completion row's prompt; None: packed rows
     mask_p: torch.Tensor    # (U, 1, Pp, Pp) causal + prompt padding
     mask_c: torch.Tensor    # (B, 1, T, Pp + T) a completion row sees its prompt, then itself causally
     #                         packed: (B, 1, T, U*Pp + T), every prompt's keys, each token its own prompt's only
-    U = property(lambda self: self.mask_p.shape[0])
-    Pp = property(lambda self: self.mask_p.shape[2])
-    B = property(lambda self: self.mask_c.shape[0])
-    T = property(lambda self: self.mask_c.shape[2])
+    U, Pp = property(lambda self: self.mask_p.shape[0]), property(lambda self: self.mask_p.shape[2])
+    B, T = property(lambda self: self.mask_c.shape[0]), property(lambda self: self.mask_c.shape[2])
 
     def attend(self, q, k, v):
         """q (1, H, N, D), k and v (1, H_kv, N, D) -> (1, H, N, D)."""
@@ -269,13 +266,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    compiled = None  # torch.compile(self._forward), set by dist.shard_model(compile=True); decode stays eager
-
     def forward(self, x, cos, sin, mask, kv_cache, cache_pos):
-        run = self._forward if kv_cache is not None or self.compiled is None else self.compiled
-        return run(x, cos, sin, mask, kv_cache, cache_pos)
-
-    def _forward(self, x, cos, sin, mask, kv_cache, cache_pos):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, cache_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -73,7 +73,7 @@ def test_compiled_blocks_match_one_eager_rank(tmp_path):
             assert max(v for k, v in r.items() if k not in ("tied", "names")) <= 1e-5, (name, r)
             assert r["tied"] and r["names"], (name, r)
         assert res["no_grad_packed_False"] <= 1e-5 and res["no_grad_packed_True"] <= 1e-5, res
-        assert res["decode"] <= 1e-5 and res["compiled_blocks"], res
+        assert res["decode"] <= 1e-5 and res["graphs"] >= 2, res  # grad and no-grad graphs at least
 
 
 @pytest.mark.slow
