@@ -466,7 +466,8 @@ def main():
     if "update" in a.parts:
         upd = dict(UPDATE, prompts=2, samples=4, prompt_tokens=6, max_tokens=16, repeats=a.repeats or 2) if smoke \
             else dict(UPDATE, repeats=a.repeats or UPDATE["repeats"])
-        variants = ("eager_16", "compiled_16_fresh") if smoke and a.variants == UPDATE_VARIANTS else a.variants
+        # the smoke skips compiling (~90 s on a cold cache): dist.compile itself is tested in tests/test_dist.py
+        variants = ("eager_16", "eager_16_fresh") if smoke and a.variants == UPDATE_VARIANTS else a.variants
         run_part(res, "update", lambda: bench_update(cfg, device, mesh, upd, variants), out)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":

@@ -145,7 +145,7 @@ def test_headline_command_at_its_own_size(tmp_path, start_ckpt, tp):
 
 def test_bench_gpu_cpu_smoke():
     """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main, then the MFU,
-    logprob-memory and generator probes, parity against transformers, the update eager and compiled) at toy sizes on CPU, so the script is known to
+    logprob-memory and generator probes, parity against transformers, the update on a repeated and on fresh batches) at toy sizes on CPU, so the script is known to
     run before a GPU sees it."""
     res = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
@@ -153,7 +153,7 @@ def test_bench_gpu_cpu_smoke():
     for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU; ref",
                 "GRPO, one gsm8k.py trainer rank step: gen / ref / train / sync / other",
                 "parity vs transformers, 2 x 16", "trainer step (FSDP2, bf16)", "logprob peak, T=64 fwd+bwd",
-                "torch generator", "update, eager_16 ", "update, compiled_16_fresh "):
+                "torch generator", "update, eager_16 ", "update, eager_16_fresh "):
         assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
     assert "FAILED" not in res.stdout, res.stdout[-2000:]
 
