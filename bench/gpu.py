@@ -26,15 +26,16 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
    of its second update (that run's timings then carry the profiler's cost: read the table, not the step);
    --compile runs it with dist.compile on.
 6. update: train_grpo.update alone at 5.'s shape (8 prompts of ~20 tokens x 8 responses of 128-512), per variant
-   <eager|compiled>_<micro-batch>[_fresh]: blocks eager or torch.compile'd (dist.compile); _fresh draws a new
-   batch (new shapes) for every update, as training does. Each variant starts from the same weights: one untimed
-   update, then --repeats timed ones (every sample is kept).
+   <eager|compiled|nocudnn>_<micro-batch>[_fresh]: blocks eager, torch.compile'd (dist.compile), or eager with
+   cuDNN's attention backend off (SDPA picks another kernel: is the per-shape cost cuDNN's plans?); _fresh draws a
+   new batch (new shapes) for every update, as training does. Each variant starts from the same weights: one
+   untimed update, then --repeats timed ones (every sample is kept).
 Each part runs on its own: one that fails records its error and the others still run; the JSON is rewritten after
 every part, so a run cut short keeps what it measured.
 
     bash bench/gpu.sh                 # on the GPU machine: prints a table, writes bench/results/gpu.json
     bash bench/gpu.sh --parts grpo_rank --profile --rank-steps 2    # one part, profiled
-    bash bench/gpu.sh --parts update --variants eager_16_fresh compiled_16_fresh --repeats 8
+    bash bench/gpu.sh --parts update --variants eager_16_fresh nocudnn_16_fresh compiled_16_fresh --repeats 8
     bash bench/gpu.sh --cpu-smoke     # anywhere: the same code at toy sizes on CPU (checks it runs, not speed)
 """
 import argparse
@@ -275,6 +276,8 @@ def bench_update(cfg, device, mesh, run, variants):
         model = dist.shard_model(random_model(cfg, device, torch.float32), mesh, param_dtype=torch.bfloat16,
                                  compile=mode == "compiled")
         opt, sched = run_lib.make_optimizer(model, tcfg.optim, 10)
+        cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp and mode != "nocudnn")
         try:
             logp = packing.no_grad_logp(model, batch, int(mb), 1.0)
             base_logp = logp if base_logp is None else base_logp
@@ -296,6 +299,7 @@ def bench_update(cfg, device, mesh, run, variants):
                              peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)
         except Exception as e:  # noqa: BLE001  one variant failing (out of memory, a compile error) is a result
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
         print(f"update {name}: {out[name]}", flush=True)
         del model, opt, sched
         free_gpu(device)
@@ -407,7 +411,7 @@ def main():
     p.add_argument("--rank-steps", type=int, default=GRPO_RANK["steps"], help="grpo_rank's steps")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run (default: all)")
     p.add_argument("--variants", nargs="+", default=UPDATE_VARIANTS,
-                   help="update: <eager|compiled>_<micro-batch>[_fresh] (fresh: a new batch every update)")
+                   help="update: <eager|compiled|nocudnn>_<micro-batch>[_fresh] (fresh: a new batch every update)")
     p.add_argument("--repeats", type=int, default=0, help="update: timed updates per variant (0: the default)")
     a = p.parse_args()
     smoke = a.cpu_smoke
@@ -467,7 +471,7 @@ def main():
         upd = dict(UPDATE, prompts=2, samples=4, prompt_tokens=6, max_tokens=16, repeats=a.repeats or 2) if smoke \
             else dict(UPDATE, repeats=a.repeats or UPDATE["repeats"])
         # the smoke skips compiling (~90 s on a cold cache): dist.compile itself is tested in tests/test_dist.py
-        variants = ("eager_16", "eager_16_fresh") if smoke and a.variants == UPDATE_VARIANTS else a.variants
+        variants = ("eager_16", "nocudnn_16_fresh") if smoke and a.variants == UPDATE_VARIANTS else a.variants
         run_part(res, "update", lambda: bench_update(cfg, device, mesh, upd, variants), out)
     res["total_s"] = time.perf_counter() - t_all
     if device.type == "cuda":

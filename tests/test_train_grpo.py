@@ -153,7 +153,7 @@ def test_bench_gpu_cpu_smoke():
     for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU; ref",
                 "GRPO, one gsm8k.py trainer rank step: gen / ref / train / sync / other",
                 "parity vs transformers, 2 x 16", "trainer step (FSDP2, bf16)", "logprob peak, T=64 fwd+bwd",
-                "torch generator", "update, eager_16 ", "update, eager_16_fresh "):
+                "torch generator", "update, eager_16 ", "update, nocudnn_16_fresh "):
         assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
     assert "FAILED" not in res.stdout, res.stdout[-2000:]
 
