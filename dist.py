@@ -201,8 +201,7 @@ TP_PLAN = {
 
 
 def compile_block(block):
-    """block.forward -> torch.compile'd for the forwards without a KV cache (the update, reference and old-policy
-    logprobs, SFT); decode keeps the eager forward, whose cache position changes at every token."""
+    """Compile the forwards without a KV cache (update, logprobs, SFT); decode (a new cache position a token): eager."""
     eager, compiled = block.forward, torch.compile(block.forward)
     block.forward = lambda x, cos, sin, mask, kv_cache, cache_pos: \
         (eager if kv_cache is not None else compiled)(x, cos, sin, mask, kv_cache, cache_pos)
@@ -213,16 +212,13 @@ def shard_model(model, mesh, *, param_dtype=None, reduce_dtype=torch.float32, ac
     """TP (when mesh["tp"] > 1), then FSDP2 per block and on the root. In place; returns the model.
     param_dtype: compute dtype of the gathered params (bf16 on GPU; None = keep the stored fp32 on CPU); the
     sharded master weights, grads and optimizer state stay in the stored dtype, reduce_dtype is the grad reduction.
-    compile: torch.compile each block's forward, the way TorchTitan compiles per block: FSDP2's gathers stay eager
-    around it, parameter names are unchanged, and KV-cache decode keeps the eager forward (compile_block). On one
-    H200 at 1.5B (bench/gpu.py's update part, a new batch every update) it took the update from 2.46 s to 1.23 s
-    once the second update had compiled the dynamic-shape graphs (~40 s of compiling in all)."""
+    compile: each block's forward torch.compile'd as TorchTitan does (compile_block): FSDP2's gathers stay eager
+    around it, parameter names are unchanged; measured in docs/gpu.md (1.5B update 2.46 -> 1.23 s on one H200)."""
     cfg, tp = model.cfg, mesh["tp"].size()
     if tp > 1:
         if cfg.num_attention_heads % tp or cfg.num_key_value_heads % tp or cfg.intermediate_size % tp:
-            raise ValueError(f"tp={tp} must divide num_attention_heads ({cfg.num_attention_heads}), "
-                             f"num_key_value_heads ({cfg.num_key_value_heads}) and intermediate_size "
-                             f"({cfg.intermediate_size})")
+            raise ValueError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}, num_key_value_heads="
+                             f"{cfg.num_key_value_heads} and intermediate_size={cfg.intermediate_size}")
         for block in model.model.layers:
             parallelize_module(block, mesh["tp"], TP_PLAN)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
