@@ -142,10 +142,31 @@ def omp_cap(environ) -> int:
 _USER_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ  # set by the user: theirs wins
 
 
+def huge_pages() -> str:
+    """Ask torch's CPU allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE=1: madvise(MADV_HUGEPAGE) on every
+    buffer of >= 2 MB) unless the environment already says. An update allocates GBs of fresh activations, logits
+    and grads, and glibc returns big buffers to the OS on free, so each step faulted them in again 4 KB at a time:
+    4.0M page faults in 4 short updates at 135M, 0.72M with huge pages, the update 12.7 -> 10.8 s (box C,
+    bench/update.py; docs/performance.md). torch reads the variable at its first CPU allocation, so this must run
+    before any tensor exists; later it changes nothing. Returns what the start-up log says."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    return f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']} (kernel THP: {thp_mode()})"
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode: "always" or "madvise" honour the allocator's hint, "never" ignores it."""
+    try:  # the file reads "always [madvise] never"
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
 def set_threads(rank: int = 0) -> list[int]:
     """Apply this process's thread budget (torchrun's LOCAL_WORLD_SIZE / LOCAL_RANK; plain python is one process),
     capped by OMP_NUM_THREADS: torch's intra-op threads, and VLLM_CPU_OMP_THREADS_BIND for a CPU vLLM engine this
-    process may start (vLLM's own default binds every core of the node). Logs it. Returns the cores taken."""
+    process may start (vLLM's own default binds every core of the node). Also huge_pages: both run at start-up,
+    before the first tensor. Logs both. Returns the cores taken."""
+    pages = huge_pages()
     local_procs, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     cores, cap = os.sched_getaffinity(0), omp_cap(os.environ)
     mine = thread_budget(cores, local_procs, local_rank)[:cap or None]
@@ -153,7 +174,7 @@ def set_threads(rank: int = 0) -> list[int]:
     if not torch.cuda.device_count() and not _USER_BIND:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
     print(f"threads: rank {rank} takes {len(mine)} of {len(cores)} cores (cpus {mine}; {local_procs} process(es) "
-          f"on this node{f', OMP_NUM_THREADS={cap}' if cap else ''})", flush=True)
+          f"on this node{f', OMP_NUM_THREADS={cap}' if cap else ''}); {pages}", flush=True)
     return mine
 
 

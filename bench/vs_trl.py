@@ -65,7 +65,7 @@ TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0"]
 SHARED_PINS = ["transformers==5.19.0", "numpy==2.3.5", "torch==2.13.0"]  # must match requirements-cpu.txt
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-VARIANTS = ["torch", "bf16", "vllm", "vllm_bf16", "auto", "auto_fp32", "sync", "async", "async_torch"]
+VARIANTS = ["torch", "torch_compiled", "bf16", "vllm", "vllm_bf16", "auto", "auto_fp32", "sync", "async", "async_torch"]
 SIZES = {  # checkpoint (data.make_tiny_checkpoint kwargs, or "smollm2": the real one), base config, lr, workloads
     "tiny": dict(model=dict(), config="configs/tiny.py", lr=3e-4,
                  workloads={"short": dict(prompts=32, max_tokens=40)}, variants=["torch", "sync", "async", "async_torch"]),
@@ -282,7 +282,7 @@ def main():
                    help="nanoforge runs: torch (one process, colocated torch generator), bf16 (the "
                         "same with model.dtype=bfloat16: bf16 compute, fp32 master weights), vllm "
                         "(one process, vLLM in process), vllm_bf16, auto (nothing set: what 'auto' picks), auto_fp32, "
-                        "sync (vLLM rank), async (vLLM rank, staleness 1), "
+                        "torch_compiled (torch with dist.compile), sync (vLLM rank), async (vLLM rank, staleness 1), "
                         "async_torch (torch-generator rank, staleness 1); default: per size")
     p.add_argument("--timeout", type=int, default=2400)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vs_trl.json"))
@@ -304,6 +304,8 @@ def main():
     rank = ["--dist.generator_ranks=1"]  # 1 trainer rank + 1 generator rank under torchrun, one core each
     fp32 = "--model.dtype=float32"  # like for like with TRL's fp32 (the configs' "auto" may pick bf16)
     variants = {"torch": (["--dist.generator_ranks=0", "--rollout.backend=torch", fp32], 1),
+                # the same with each block torch.compile'd (dist.compile, opt-in): the update and logprob forwards
+                "torch_compiled": (["--dist.generator_ranks=0", "--rollout.backend=torch", fp32, "--dist.compile=true"], 1),
                 "bf16": (["--dist.generator_ranks=0", "--rollout.backend=torch", "--model.dtype=bfloat16"], 1),
                 "vllm": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256", fp32], 1),
                 "vllm_bf16": (["--dist.generator_ranks=0", "--rollout.backend=vllm", "--rollout.kv_cache_mb=256",
