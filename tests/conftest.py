@@ -18,6 +18,7 @@ GSM8K_DIR = SHARED / "data" / "gsm8k"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the trainers run (machine.huge_pages), before any tensor
 
 
 OPENED = []  # the engines export_greedy made, alive until the session ends
