@@ -13,6 +13,8 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
   CPU engine binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND). OMP_NUM_THREADS, where set, caps the share
   (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
   workers run one thread each, while the trainer waits for their scores.
+- `huge_pages`: torch's CPU allocator asks for 2 MB pages (THP_MEM_ALLOC_ENABLE), so the GBs of fresh buffers an
+  update allocates are not faulted in 4 KB at a time (set at start-up, with the threads; logged on the same line).
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
   the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there in fp32, 1.5x in bf16
   where oneDNN has bf16 kernels (the torch generator uses them; bench/decode.py).

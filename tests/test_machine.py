@@ -101,9 +101,9 @@ def test_start_up_turns_on_huge_pages_and_they_cut_page_faults():
         out = subprocess.run([sys.executable, "-c", code], env={**base, **env, "PYTHONPATH": str(ROOT)},
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        log, n = out.stdout.splitlines()
-        assert log.endswith(f"; THP_MEM_ALLOC_ENABLE={env.get('THP_MEM_ALLOC_ENABLE', '1')} (kernel THP: {machine.thp_mode()})")
-        faults[env.get("THP_MEM_ALLOC_ENABLE", "1")] = int(n)
+        log, n, value = *out.stdout.splitlines(), env.get("THP_MEM_ALLOC_ENABLE", "1")
+        assert log.endswith(f"; THP_MEM_ALLOC_ENABLE={value} (kernel THP: {machine.thp_mode()})"), log
+        faults[value] = int(n)
     assert faults["0"] > 5 * 200e6 / 4096 / 2 and faults["1"] < faults["0"] / 20, faults
 
 
