@@ -156,7 +156,7 @@ def huge_pages() -> str:
 
 
 def thp_mode() -> str:
-    """The kernel's transparent huge page mode: "always" or "madvise" honour the allocator's hint, "never" ignores it."""
+    """The kernel's transparent huge page mode: "always" or "madvise" honour the allocator's hint; "never" does not."""
     try:  # the file reads "always [madvise] never"
         return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
