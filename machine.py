@@ -14,7 +14,7 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
   (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
   workers run one thread each, while the trainer waits for their scores.
 - `huge_pages`: torch's CPU allocator asks for 2 MB pages (THP_MEM_ALLOC_ENABLE), so the GBs of fresh buffers an
-  update allocates are not faulted in 4 KB at a time (set at start-up, with the threads; logged on the same line).
+  update allocates are not faulted in 4 KB at a time (set when this module is imported; logged with the threads).
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
   the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there in fp32, 1.5x in bf16
   where oneDNN has bf16 kernels (the torch generator uses them; bench/decode.py).
@@ -149,8 +149,9 @@ def huge_pages() -> str:
     buffer of >= 2 MB) unless the environment already says. An update allocates GBs of fresh activations, logits
     and grads, and glibc returns big buffers to the OS on free, so each step faulted them in again 4 KB at a time:
     4.0M page faults in 4 short updates at 135M, 0.72M with huge pages, the update 12.7 -> 10.8 s (box C,
-    bench/update.py; docs/performance.md). torch reads the variable at its first CPU allocation, so this must run
-    before any tensor exists; later it changes nothing. Returns what the start-up log says."""
+    bench/update.py; docs/performance.md). torch reads the variable at its first CPU allocation, so this runs when
+    this module is imported (and again, to log it, in set_threads); after a tensor exists it changes nothing.
+    Returns what the start-up log says."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']} (kernel THP: {thp_mode()})"
 
@@ -163,11 +164,14 @@ def thp_mode() -> str:
         return "unknown"
 
 
+huge_pages()  # at import: the trainers and bench/ import this before their first tensor, whatever they build first
+
+
 def set_threads(rank: int = 0) -> list[int]:
     """Apply this process's thread budget (torchrun's LOCAL_WORLD_SIZE / LOCAL_RANK; plain python is one process),
     capped by OMP_NUM_THREADS: torch's intra-op threads, and VLLM_CPU_OMP_THREADS_BIND for a CPU vLLM engine this
-    process may start (vLLM's own default binds every core of the node). Also huge_pages: both run at start-up,
-    before the first tensor. Logs both. Returns the cores taken."""
+    process may start (vLLM's own default binds every core of the node). Logs it, with huge_pages' setting. Returns
+    the cores taken."""
     pages = huge_pages()
     local_procs, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
     cores, cap = os.sched_getaffinity(0), omp_cap(os.environ)
