@@ -88,8 +88,8 @@ def test_a_process_applies_its_share():
 
 def test_start_up_turns_on_huge_pages_and_they_cut_page_faults():
     """Importing machine (every trainer and bench/ script does, before its first tensor) sets THP_MEM_ALLOC_ENABLE,
-    and set_threads logs it: 5 copies of a 200 MB tensor then fault in ~1/500 of the 4 KB pages they did without it (measured
-    here: ~246k faults against ~3k). An explicit THP_MEM_ALLOC_ENABLE=0 is respected and says so."""
+    and set_threads logs it: 5 copies of a 200 MB tensor then fault in ~1/500 of the 4 KB pages they did without it
+    (measured here: ~246k faults against ~3k). An explicit THP_MEM_ALLOC_ENABLE=0 is respected and says so."""
     if machine.thp_mode() not in ("always", "madvise"):
         pytest.skip(f"this kernel's transparent huge pages are {machine.thp_mode()!r}: the hint cannot take effect")
     code = ("import resource, torch, machine\nx = torch.randn(1024, 49152)\n"  # importing machine is enough
