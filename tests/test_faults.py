@@ -191,7 +191,7 @@ def test_grpo_dedicated_generator_rank_logs_every_metric(grpo):
     cores = len(os.sched_getaffinity(0))
     shares = {int(r): json.loads(c) for r, c in
               re.findall(r"threads: rank (\d) takes \d+ of \d+ cores \(cpus (\[[\d, ]*\])", grpo["ref"])}
-    assert sorted(shares) == [0, 1] and sum(map(len, shares.values())) <= cores, shares
+    assert sorted(shares) == [0, 1] and sum(map(len, shares.values())) <= max(cores, 2), shares  # 1 core: 1 each
     assert cores < 2 or not set(shares[0]) & set(shares[1]), shares
     all_rows, ref = rows(out, "rl"), train_rows(out, "rl")
     for r in ref:
