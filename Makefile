@@ -19,8 +19,8 @@ $(EXTRAS): $(STAMP) requirements-extra.txt
 	$(PY) -m pip install --disable-pip-version-check -r requirements-extra.txt
 	rm -f .venv/.extras-* && touch $(EXTRAS)
 
-# two workers, each pinned to half the cores (tests/conftest.py) and given whole files, longest first: 841 s against
-# 1140-1213 s in one process on box C's 2 cores. One core runs the suite in one process.
+# two workers, each pinned to half the cores (tests/conftest.py) and given whole files, longest first: 717-751 s
+# against 1140-1213 s in one process on box C's 2 cores. One core runs the suite in one process.
 XDIST = $(shell [ $$(nproc) -ge 2 ] && echo "--numprocesses=2 --dist=loadfile --no-loadscope-reorder")
 
 test: $(STAMP) $(EXTRAS)

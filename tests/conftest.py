@@ -31,9 +31,9 @@ def pin_xdist_worker():
 
 
 pin_xdist_worker()
+import machine  # noqa: E402,F401  (its import sets huge pages, as the trainers run, before any test's first tensor)
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the trainers run (machine.huge_pages), before any tensor
 
 
 # make test hands whole files to its workers (--dist loadfile) in collection order: the longest start first, so no
