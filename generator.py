@@ -15,7 +15,7 @@ whichever was measured faster for the configured layout, model size and generati
   0.92 of RAM is refused on a shared CPU box); `max_num_seqs` should be >= prompts * n so a rollout batch is one
   engine batch.
 * `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated KVCache (once per
-  prompt, then copied to its n samples), then one batched decode step per token with temperature / top-k / top-p
+  prompt, its keys then shared by its n samples), then one batched decode step per token with temperature, top-k, top-p
   sampling and per-row stop tokens; finished rows leave the decode batch (their KV rows are dropped) so they stop
   costing work; on CPU in fp32 its large Linears run on oneDNN-reordered weights (machine.onednn_weights). For
   machines without vLLM, and as the reference in tests.
@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+import kvcache
 import machine
 
 
@@ -320,39 +321,36 @@ class TorchGenerator:
         T = min(max_tokens, self.max_model_len - P)
         cfg, dtype = self.model.cfg, self.dtype or next(self.model.parameters()).dtype
 
-        # 1) prefill each prompt once, left-padded so every row's next token goes to column P. Built on the host and
-        # moved once: one copy to a GPU, not one per prompt.
+        # 1) prefill each prompt once, left-padded so every prompt ends at column P. Built on the host and moved
+        # once: one copy to a GPU, not one per prompt.
         ids = torch.zeros(B, P, dtype=torch.long)
-        mask = torch.zeros(B, P + T, dtype=torch.long)  # (B, P+T) 1 = real token
+        pmask = torch.zeros(B, P, dtype=torch.long)  # 1 = real token
         for i, p in enumerate(prompt_ids):
             ids[i, P - len(p):] = torch.tensor(p)
-            mask[i, P - len(p):P] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pre = self._lib.KVCache(cfg, B, P, dtype, dev)
-        pos = self._lib.mask_positions(mask[:, :P])
-        logits = self.model(ids, position_ids=pos, attention_mask=mask[:, :P], kv_cache=pre, cache_pos=0)[:, -1]
+            pmask[i, P - len(p):] = 1
+        ids, pmask = ids.to(dev), pmask.to(dev)
+        pre = kvcache.KVCache(cfg, B, P, dtype, dev)
+        logits = self.model(ids, position_ids=self._lib.mask_positions(pmask), attention_mask=pmask, kv_cache=pre,
+                            cache_pos=0)[:, -1]
 
-        # 2) copy prompt KV to the n samples of each prompt: rows are (prompt i, sample j) -> i*n + j.
+        # 2) rows (prompt i, sample j) -> i*n + j share their prompt's KV: the decode cache holds only what each row
+        #    generates, and every step reads a prompt's keys once for its n rows (kvcache.py).
         R = B * n
-        cache = self._lib.KVCache(cfg, R, P + T, dtype, dev)
-        cache.k[:, :, :, :P] = pre.k.repeat_interleave(n, dim=1)
-        cache.v[:, :, :, :P] = pre.v.repeat_interleave(n, dim=1)
-        del pre
-        logits, mask = logits.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
-        next_pos = mask.sum(-1)                                   # (R,) position of the first new token
+        cache = kvcache.KVCache(cfg, R, T, dtype, dev)
+        cache.share_prefix(pre, pmask, n)
+        logits, next_pos = logits.repeat_interleave(n, 0), pmask.sum(-1).repeat_interleave(n)  # first new position
 
         # 3) decode: one batched forward per token over the running rows. Once finished rows are a quarter of the
-        #    batch (and a few steps remain), the running rows' KV cache is gathered into a smaller batch minus the
-        #    leading columns no running row uses: ~one step's cost, then each step saves the dropped rows' share
-        #    (bench/generate.py). Positions and each row's uniform (below) do not depend on what the batch holds.
+        #    batch (and a few steps remain), the running rows' KV cache is gathered into a smaller batch: ~one
+        #    step's cost, then each step saves the dropped rows' share (bench/generate.py). Positions and each
+        #    row's uniform (below) do not depend on what the batch holds.
         toks = torch.zeros(R, T, dtype=torch.long, device=dev)    # (R, T)
         logps = torch.zeros(R, T, dtype=torch.float32, device=dev)
         stopped = torch.zeros(R, dtype=torch.bool, device=dev)
         lengths = torch.full((R,), T, dtype=torch.long, device=dev)
-        live = torch.arange(R, device=dev)                        # (r,) batch row -> completion row
         done = torch.zeros(R, dtype=torch.bool, device=dev)       # (r,) finished rows still in the batch
-        C = P                                                     # cache column of the first generated token
         for t in range(T):
+            live = cache.live                                     # (r,) batch row -> completion row
             u = torch.rand(R, 1, generator=rng, device=dev)[live] if temperature > 0 else None
             tok, logp = sample(logits.float(), temperature, top_k, top_p, rng, u=u)
             toks[live, t], logps[live, t] = tok, logp
@@ -363,15 +361,12 @@ class TorchGenerator:
             num_done = int(done.sum())  # one host sync per step (the loop needs one to know when to end)
             if t == T - 1 or num_done == len(live):
                 break
-            mask[:, C + t] = (~done).long()
             if self.compact_finished and num_done * 4 >= len(live) and T - t > 4:
                 keep = (~done).nonzero()[:, 0]
-                first = int(mask[keep, :C].argmax(-1).min())  # the first column any running row really uses
-                cache.k, cache.v = cache.k[:, keep, :, first:], cache.v[:, keep, :, first:]
-                mask, next_pos, tok, live, done = mask[keep, first:], next_pos[keep], tok[keep], live[keep], done[keep]
-                C -= first
-            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], attention_mask=mask[:, :C + t + 1],
-                                kv_cache=cache, cache_pos=C + t)[:, -1]
+                cache.keep(keep)
+                next_pos, tok, done = next_pos[keep], tok[keep], done[keep]
+            # no mask: a running row attends to all it generated (a finished row's output is never read)
+            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], kv_cache=cache, cache_pos=t)[:, -1]
 
         # 4) one host transfer, one batched decode.
         toks, logps, lengths, stopped = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()

@@ -205,28 +205,52 @@ def roofline(shapes=()) -> dict:
 ONEDNN_MIN_WEIGHT = 1 << 18
 
 
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}  # model.Attention's, MLP's
+
+
 def onednn_weights(model, rows: int) -> dict:
-    """{nn.Linear: its weight reordered for oneDNN's matmul at about `rows` rows} for the Linears big enough to gain;
-    {} where it does not apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16,
-    sharded (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
+    """{module: (attribute, weight, bias, split sizes)}: the Linears big enough to gain, each weight reordered for
+    oneDNN's matmul at about `rows` rows, to run as the module's `forward`; the projections that read the same input
+    (FUSED: a block's q, k and v, its gate and up) stacked into one matmul, run as model.Attention.qkv or MLP.gate_up
+    and split after (one call instead of three: the k and v projections alone are too small to gain). {} where it
+    does not apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16, sharded
+    (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
     from torch.distributed.tensor import DTensor
     if not torch.backends.mkldnn.is_available():
         return {}
     dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-    return {mod: torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows) for mod in model.modules()
-            if isinstance(mod, torch.nn.Linear) and not isinstance(mod.weight, DTensor)
-            and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes
-            and mod.weight.numel() >= ONEDNN_MIN_WEIGHT}
+
+    def fits(mod):
+        return (isinstance(mod, torch.nn.Linear) and not isinstance(mod.weight, DTensor)
+                and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes)
+    out, done = {}, set()
+    for mod in model.modules():
+        for attr, names in FUSED.items():
+            lins = [getattr(mod, n, None) for n in names]
+            if all(fits(lin) for lin in lins) and sum(lin.weight.numel() for lin in lins) >= ONEDNN_MIN_WEIGHT:
+                w = torch.cat([lin.weight.detach() for lin in lins])
+                b = None if all(lin.bias is None for lin in lins) else torch.cat(
+                    [lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features) for lin in lins])
+                out[mod] = (attr, torch.ops.mkldnn._reorder_linear_weight(w, rows), b,
+                            [lin.out_features for lin in lins])
+                done.update(lins)
+    for mod in model.modules():
+        if mod not in done and fits(mod) and mod.weight.numel() >= ONEDNN_MIN_WEIGHT:
+            out[mod] = ("forward", torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows), mod.bias, None)
+    return out
 
 
 @contextlib.contextmanager
 def linears_on(weights: dict):
-    """Within the block, each Linear in `weights` multiplies by its reordered weight (same math, fp32 summation in
+    """Within the block, each module in `weights` multiplies by its reordered weight (same math, fp32 summation in
     another order: ~1e-6 relative)."""
-    for mod, w in weights.items():
-        mod.forward = lambda x, w=w, b=mod.bias: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    for mod, (attr, w, b, sizes) in weights.items():
+        def mm(x, w=w, b=b, sizes=sizes):
+            y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+            return y if sizes is None else y.split(sizes, -1)
+        setattr(mod, attr, mm)
     try:
         yield
     finally:
-        for mod in weights:
-            del mod.forward  # the class's forward again
+        for mod, (attr, *_) in weights.items():
+            delattr(mod, attr)  # the class's method again

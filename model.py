@@ -23,7 +23,7 @@ Embeddings may be tied (lm_head.weight is the same Parameter as model.embed_toke
 Parameter names are exactly the Hugging Face ones, so checkpoints load and save, and weights sync to vLLM, with no
 renaming. Batches may be left- or right-padded (attention_mask, positions = cumsum(mask) - 1, so a padded row gives
 the logits of the same sequence alone); positions that restart at 0 without a mask mean packed documents, which
-attend only within themselves. A preallocated KVCache lets the same forward prefill and decode.
+attend only within themselves. A KV cache (kvcache.py) lets the same forward prefill and decode.
 Shared prompts (`forward(..., prefix=(prompt_ids, prompt_mask, rows))`): GRPO scores G completions of every
 prompt, and causal attention makes the prompt's states the same in all G rows, so each distinct prompt is run once
 and every completion row attends to its prompt's keys and values (SharedPrefix). Same logprobs and gradients as
@@ -145,16 +145,6 @@ def apply_rope(x, cos, sin):  # x (B, H, T, D); cos, sin (B, 1, T, D)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class KVCache:
-    """Preallocated keys and values for every layer: (num_layers, B, num_kv_heads, max_len, head_dim)."""
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype, device):
-        shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-
-
 def mask_positions(attention_mask):
     """(B, S) 1 = real token -> positions counting real tokens from 0, whatever the padding side."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -218,12 +208,14 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
         self.head_dim, self.layer_idx, self.qk_norm = D, layer_idx, cfg.qk_norm
 
+    def qkv(self, x):  # the generator on CPU runs one stacked matmul in its place (machine.onednn_weights)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, mask, kv_cache, cache_pos):
         B, T, _ = x.shape
         # view(..., -1, D): the head count follows the weights, so a tensor-parallel shard just has fewer heads
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (y.view(B, T, -1, self.head_dim) for y in self.qkv(x))
+        v = v.transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)  # (B, H, T, D)
@@ -238,10 +230,8 @@ class Attention(nn.Module):
             q, k, v = q.float(), k.float(), v.float()
         if isinstance(mask, SharedPrefix):
             y = mask.attend(q, k, v)
-        elif T == 1 and kv_cache is not None and dtype == torch.bfloat16 and q.device.type == "cpu" and gqa:
-            # decode: a KV head's query heads as its rows (CPU bf16 SDPA with enable_gqa: 4x slower, bench/decode.py)
-            q_kv = q.view(B, k.shape[1], -1, self.head_dim)  # (B, H_kv, H / H_kv, D)
-            y = F.scaled_dot_product_attention(q_kv, k, v, attn_mask=mask).view(q.shape)
+        elif T == 1 and kv_cache is not None:
+            y = kv_cache.attend(q, k, v, mask, self.layer_idx)  # kvcache.py
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(y.to(dtype).transpose(1, 2).reshape(B, T, -1))
@@ -254,8 +244,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def gate_up(self, x):  # as Attention.qkv
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -375,7 +369,7 @@ class Transformer(nn.Module):
                 position_ids = mask_positions(attention_mask)[:, cache_pos:]
             else:
                 position_ids = torch.arange(cache_pos, S, device=dev).expand(B, T)
-        if attention_mask is not None or cache_pos > 0:
+        if attention_mask is not None or cache_pos > 0 and T > 1:  # one new token: it sees every cached key
             if attention_mask is None:
                 attention_mask = torch.ones(B, S, dtype=torch.bool, device=dev)
             return position_ids, padding_mask(attention_mask, cache_pos, T)

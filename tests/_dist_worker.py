@@ -14,6 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import checkpoint as C  # noqa: E402
 import dist as D  # noqa: E402
+import kvcache  # noqa: E402
 import weight_sync as W  # noqa: E402
 import model as M  # noqa: E402
 import packing  # noqa: E402
@@ -219,7 +220,7 @@ def compiled2(roles, out):
             want = packing.response_logp(ref, pb, slice(0, 8), 1.0, packed=packed)
             got = packing.response_logp(m, pb, slice(0, 8), 1.0, packed=packed)
             res[f"no_grad_packed_{packed}"] = (got - want).abs().max().item()
-        cache, ids = M.KVCache(cfg, 2, 16, torch.float32, "cpu"), batch(4, B=2, T=6)
+        cache, ids = kvcache.KVCache(cfg, 2, 16, torch.float32, "cpu"), batch(4, B=2, T=6)
         m(ids[:, :5], kv_cache=cache)
         step = m(ids[:, 5:], kv_cache=cache, cache_pos=5)[:, -1]
         res["decode"] = (step - ref(ids)[:, -1]).abs().max().item()

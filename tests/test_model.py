@@ -1,6 +1,7 @@
 """model.py against its oracles: transformers' own Llama/Qwen2/Qwen3 (logits, both load/save directions), vLLM's
 prompt logprobs, slow reference computations (padding, KV cache, logprobs, gradients), and the allocator's view of
 peak memory for the chunked logprob head."""
+import functools
 import itertools
 import json
 import os
@@ -9,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import KVCache, ModelConfig, Transformer, chunked_logprobs
+import kvcache
+from kvcache import KVCache
+from model import ModelConfig, Transformer, chunked_logprobs
 
 V = 96
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -189,8 +192,8 @@ def test_packed_documents_equal_separate_sequences():
                                                     ("qwen3", 1, torch.float32), ("llama", 2, torch.bfloat16),
                                                     ("qwen3", 2, torch.bfloat16)])
 def test_kv_cache_prefill_then_decode_matches_full_forward(family, kv_heads, dtype):
-    """bf16 decodes on CPU with each KV head's query heads folded into its rows (model.Attention), where the full
-    forward attends in fp32: the same logits up to bf16 rounding (0.023 of ~3; a wrong head grouping is off by ~3)."""
+    """A decode step folds each KV head's query heads into its rows (KVCache.attend), scores in fp32, where the
+    full forward runs SDPA: the same logits, in bf16 up to its rounding (0.023 of ~3; a wrong grouping is off by ~3)."""
     m = our_model(family, kv_heads=kv_heads).to(dtype)
     ids = rand_ids(2, 20)
     mask = torch.ones(2, 20, dtype=torch.long)
@@ -203,6 +206,44 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(family, kv_heads, dty
             outs.append(m(ids[:, p:p + 1], attention_mask=mask[:, :p + 1], kv_cache=cache, cache_pos=p))
     err = (torch.cat(outs, 1) - full).float()[mask.bool()].abs().max().item()
     assert err <= (1e-5 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize("fold", [True, False])
+@pytest.mark.parametrize("family,kv_heads,dtype", [("llama", 1, torch.float32), ("qwen3", 2, torch.float32),
+                                                    ("qwen2", 2, torch.bfloat16)])
+def test_shared_prefix_decode_matches_each_sequence_alone(family, kv_heads, dtype, fold, monkeypatch):
+    """The torch generator's layout (KVCache.share_prefix): 2 left-padded prompts prefilled once, 3 rows each that
+    cache only their own tokens, and rows 1 and 3 leaving the batch halfway (KVCache.keep). Every decode step's
+    logits must equal the full forward of that row's prompt + tokens alone, on both of KVCache.attend's paths (a
+    prompt's rows folded, CPU's; each row's prompt gathered, a GPU's)."""
+    monkeypatch.setattr(kvcache.KVCache, "attend", functools.partialmethod(kvcache.KVCache.attend, fold=fold))
+    m = our_model(family, kv_heads=kv_heads).to(dtype)
+    lens, n, P, T = [12, 7], 3, 12, 6
+    prompts, gen = rand_ids(2, P, seed=3), rand_ids(6, T, seed=4)
+    pmask = torch.zeros(2, P, dtype=torch.long)
+    for i, k in enumerate(lens):
+        pmask[i, P - k:] = 1
+    with torch.no_grad():
+        pre = KVCache(m.cfg, 2, P, dtype, "cpu")
+        m(prompts, attention_mask=pmask, kv_cache=pre, cache_pos=0)
+        cache = KVCache(m.cfg, 6, T, dtype, "cpu")
+        cache.share_prefix(pre, pmask, n)
+        pos = pmask.sum(-1).repeat_interleave(n)
+        got = torch.full((6, T, m.cfg.vocab_size), float("nan"))
+        for t in range(T):
+            if t == 3:
+                cache.keep(torch.tensor([0, 2, 4, 5]))
+            rows = cache.live
+            got[rows, t] = m(gen[rows, t:t + 1], position_ids=(pos[rows] + t)[:, None],
+                             attention_mask=torch.ones(len(rows), t + 1, dtype=torch.long), kv_cache=cache,
+                             cache_pos=t)[:, -1].float()
+        for r in range(6):
+            i = r // n
+            alone = m(torch.cat([prompts[i, P - lens[i]:], gen[r]])[None])[0, lens[i]:].float()
+            steps = T if r not in (1, 3) else 3
+            err = (got[r, :steps] - alone[:steps]).abs().max().item()
+            assert err <= (1e-5 if dtype == torch.float32 else 0.1), (r, err)
+            assert got[r, steps:].isnan().all()  # a row that left was never computed again
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
