@@ -88,4 +88,4 @@ class KVCache:
         y_p, l_p = attn(stack(q), kp, vp, attn_mask=self.prefix_mask)
         y_s, l_s = attn(q, k, v, attn_mask=mask)
         w = torch.sigmoid(unstack(l_p[..., None]) - l_s[..., None])  # the prompt's share of the softmax mass
-        return (y_s + w * (unstack(y_p) - y_s)).to(q.dtype).view(b, H, 1, D)
+        return torch.lerp(y_s, unstack(y_p), w.to(q.dtype)).view(b, H, 1, D)
