@@ -151,48 +151,36 @@ def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len, budget=None) 
 # recipe points the same way (bench/step.py: generation 0.42 s with the colocated torch generator vs 0.76 s on a
 # vLLM rank). At 128 tokens it goes the other way (bench/vs_trl.py --workloads long, 2 GSM8K x 8 x 128 tokens,
 # colocated, 135M, medians of steps 3-8, three repeats a dtype on box C, AMD AVX-512 BF16): vLLM in process
-# generated in 0.79-0.95 of the torch generator's time in fp32 (11.95/13.01/14.28 s vs 12.64/16.48/15.77) and
-# 0.86-0.92 in bf16 (8.59/8.05/8.49 vs 9.31/9.34/9.43); whole steps 0.86-1.01 and 0.90-0.98; box A's one run agrees
-# (12.4 vs 20.2 s; at 40 tokens 5.8 vs 6.5 s, steps equal). A fourth fp32 repeat, vLLM first, disagreed (14.75 s
-# against the torch generator's 12.54; steps 35.06 against 29.94), and fp32 whole steps split two and two; bf16 gained
-# in every repeat, either order. So colocated, "auto" picks vLLM for >= 20M parameters, >= 128 tokens and bf16
-# compute, with its KV cache sized to the step (kv_cache_bytes; those runs passed 256 MB, and the 128 MB that was
-# the default held ~2.8k fp32 tokens at 135M). Only on AVX-512 boxes, where it was measured (A and C): the AVX2 box
-# (B) has no colocated measurement (and computes in fp32). With all of it "auto" (box C: bf16, KV 180 MB), two runs,
-# either order: generation 8.46 and 10.28 s against the torch generator's 10.09 and 11.21, steps 0.89 and 0.96.
+# generated in 0.79-0.95 of the torch generator's time in fp32 and 0.86-0.92 in bf16, so "auto" picked vLLM there
+# for >= 128 tokens in bf16. Then the torch generator held each prompt's keys once for its G rows and stacked its
+# q/k/v and gate/up matmuls (kvcache.py, machine.onednn_weights), and the order flipped: three repeats in bf16 on box
+# C, alternating which ran first, generation torch 7.04 / 6.96 / 7.03 s against vLLM 7.28 / 7.08 / 7.14, steps
+# 16.08 / 16.26 / 16.35 against 17.18 / 16.87 / 17.46 (0.94-0.96); in fp32 (one run, beside TRL) 8.97 against
+# 9.75 s. So colocated on CPU "auto" is the torch generator at every size, length and dtype measured.
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
-VLLM_COLOCATED_MIN_TOKENS = 128   # colocated at 135M in bf16: 32-40 tokens torch faster, 128 vLLM faster
 
 
-def default_backend(model_path=None, max_tokens=None, colocated=True, cpu_capability=None, dtype=None) -> str:
+def default_backend(model_path=None, max_tokens=None, colocated=True) -> str:
     """What rollout.backend = "auto" means, by the measured rule above, for the model and workload configured.
-    vLLM on a GPU (the torch generator where vLLM is not installed). On CPU, for a model of >= 20M parameters: alone
-    on a dedicated generator rank, vLLM; colocated with the trainer (one process), vLLM for generations of >= 128
-    tokens computed in bf16 (`dtype`, model.dtype resolved) on an AVX-512 box, else the torch generator. A smaller
-    model: vLLM only on a dedicated rank for > 128 tokens. Without a model path: CPU means the torch generator."""
+    vLLM on a GPU (the torch generator where vLLM is not installed). On CPU: colocated with the trainer (one
+    process), the torch generator; alone on a dedicated generator rank, vLLM for a model of >= 20M parameters or
+    generations of > 128 tokens, else the torch generator. Without a model path: CPU means the torch generator."""
     # Asked without touching CUDA or importing vLLM (device_count asks NVML; find_spec imports nothing), so that
     # train_grpo can decide before dist.get_roles pins this rank's GPU.
     if torch.cuda.device_count() == 0:
-        if model_path is None:
+        if model_path is None or colocated:
             return "torch"
-        big, tokens = num_params(model_path) >= VLLM_CPU_MIN_PARAMS, max_tokens or 0
-        avx512 = (cpu_capability or torch.backends.cpu.get_cpu_capability()).startswith("AVX512")
-        if colocated and not (big and tokens >= VLLM_COLOCATED_MIN_TOKENS and avx512 and dtype == "bfloat16"):
-            return "torch"
-        if not colocated and not big and tokens <= VLLM_CPU_MIN_TOKENS:
+        if num_params(model_path) < VLLM_CPU_MIN_PARAMS and (max_tokens or 0) <= VLLM_CPU_MIN_TOKENS:
             return "torch"
     return "vllm" if importlib.util.find_spec("vllm") is not None else "torch"
 
 
 def resolve_backend(cfg, model_path) -> str:
-    """rollout.backend with "auto" resolved (default_backend) for this config's layout and compute dtype. Before
-    machine.resolve_dtype (train_grpo asks once, for dist.get_roles) a dtype of "auto" reads as not bf16: on CPU
-    that call only decides whether to set CUDA_VISIBLE_DEVICES, which nothing reads there."""
+    """rollout.backend with "auto" resolved (default_backend) for this config's layout."""
     if cfg.rollout.backend != "auto":
         return cfg.rollout.backend
-    return default_backend(model_path, cfg.rollout.max_tokens, colocated=cfg.dist.generator_ranks == 0,
-                           dtype=cfg.model.dtype)
+    return default_backend(model_path, cfg.rollout.max_tokens, colocated=cfg.dist.generator_ranks == 0)
 
 
 def build_generator(cfg, path, roles, tok, longest_prompt=None):

@@ -285,7 +285,7 @@ def main(argv=None):
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     path = run.resolve_model(cfg.model.path)
-    backend = rollout.resolve_backend(cfg, path)  # which GPU an engine takes; CPU's rule needs the dtype: below
+    backend = rollout.resolve_backend(cfg, path)  # which GPU an engine takes
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
     machine.resolve_dtype(cfg, say=roles.rank == 0)  # "auto": measured here, before the engine or the model is built
     torch.manual_seed(cfg.train.seed)

@@ -20,8 +20,8 @@ What is held equal (TRL defaults that differ are pinned, see trl_worker; both re
                     with bf16=True after it, beside nanoforge's "bf16" variant
 
 Generation: TRL runs its transformers-generate path (its vLLM colocate mode crashes on CPU at the first weight
-sync). nanoforge runs (VARIANTS) "torch" (one process, the torch generator colocated: "auto"'s pick below 128
-tokens, and on AVX2 boxes), "bf16" (the same computing in bf16 from fp32 master weights, model.dtype = "bfloat16":
+sync). nanoforge runs (VARIANTS) "torch" (one process, the torch generator colocated: "auto"'s pick on CPU),
+"bf16" (the same computing in bf16 from fp32 master weights, model.dtype = "bfloat16":
 not TRL's fp32, so reported beside the fp32 ratio, with its train/generator mismatch), "vllm" (one process, vLLM in
 process), "vllm_bf16" (the same in bf16), "auto" (one process, nothing set: the generator, dtype and KV size "auto"
 picks; "auto_fp32" the same in fp32), and the distributed layouts, 1 trainer rank + 1 generator rank under torchrun:

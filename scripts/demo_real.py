@@ -37,8 +37,7 @@ def backend(cfg):
         return cfg["rollout"]["backend"]
     import rollout
     return "auto: " + rollout.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
-                                                colocated=cfg["dist"]["generator_ranks"] == 0,
-                                                dtype=cfg["model"]["dtype"])
+                                                colocated=cfg["dist"]["generator_ranks"] == 0)
 
 
 def summarize(rows, seconds, cfg):
