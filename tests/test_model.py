@@ -192,8 +192,9 @@ def test_packed_documents_equal_separate_sequences():
                                                     ("qwen3", 1, torch.float32), ("llama", 2, torch.bfloat16),
                                                     ("qwen3", 2, torch.bfloat16)])
 def test_kv_cache_prefill_then_decode_matches_full_forward(family, kv_heads, dtype):
-    """A decode step folds each KV head's query heads into its rows (KVCache.attend), scores in fp32, where the
-    full forward runs SDPA: the same logits, in bf16 up to its rounding (0.023 of ~3; a wrong grouping is off by ~3)."""
+    """A decode step folds each KV head's query heads into its rows (KVCache.attend), where the full forward runs
+    SDPA with enable_gqa (in fp32 for bf16 weights): the same logits, in bf16 up to its rounding (0.023 of ~3; a
+    wrong grouping is off by ~3)."""
     m = our_model(family, kv_heads=kv_heads).to(dtype)
     ids = rand_ids(2, 20)
     mask = torch.ones(2, 20, dtype=torch.long)
@@ -234,9 +235,9 @@ def test_shared_prefix_decode_matches_each_sequence_alone(family, kv_heads, dtyp
             if t == 3:
                 cache.keep(torch.tensor([0, 2, 4, 5]))
             rows = cache.live
-            got[rows, t] = m(gen[rows, t:t + 1], position_ids=(pos[rows] + t)[:, None],
-                             attention_mask=torch.ones(len(rows), t + 1, dtype=torch.long), kv_cache=cache,
-                             cache_pos=t)[:, -1].float()
+            ones = torch.ones(len(rows), t + 1, dtype=torch.long) if t % 2 else None  # no mask: the generator's
+            got[rows, t] = m(gen[rows, t:t + 1], position_ids=(pos[rows] + t)[:, None], attention_mask=ones,
+                             kv_cache=cache, cache_pos=t)[:, -1].float()
         for r in range(6):
             i = r // n
             alone = m(torch.cat([prompts[i, P - lens[i]:], gen[r]])[None])[0, lens[i]:].float()
