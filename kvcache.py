@@ -49,13 +49,19 @@ class KVCache:
         mask (U, P): 1 = real token): this cache holds only what each row adds."""
         self.prefix, self.n = prefix, n
         self.prefix_mask = additive(mask[:, None, None, :].bool(), prefix.k.dtype)  # (U, 1, 1, P)
-        self.live = torch.arange(mask.shape[0] * n, device=mask.device)  # batch row -> the row it started as
+        self._rows(torch.arange(mask.shape[0] * n, device=mask.device))
+
+    def _rows(self, live):
+        """live (b,): batch row -> the row it started as; then each row's prompt and its prompt mask, set once here
+        rather than at every layer of every step."""
+        self.live, self.prompt = live, live // self.n
+        self.row_mask = self.prefix_mask[self.prompt]  # (b, 1, 1, P)
 
     def keep(self, rows):
         """Only these batch rows decode on; a prompt's keys stay while any of its rows runs."""
         self.k, self.v = self.k[:, rows], self.v[:, rows]
         if self.prefix is not None:
-            self.live = self.live[rows]
+            self._rows(self.live[rows])
 
     def attend(self, q, k, v, mask, layer, fold=None):
         """One decode step: q (b, H, 1, D) against each row's cached k, v (b, H_kv, S, D) under mask (b, 1, 1, S)
@@ -70,10 +76,9 @@ class KVCache:
         U, n, kp, vp = self.prefix_mask.shape[0], self.n, self.prefix.k[layer], self.prefix.v[layer]
         mask = None if mask is None else additive(mask, q.dtype)
         if not (q.device.type == "cpu" if fold is None else fold):
-            i = self.live // n
-            own = torch.zeros(b, 1, 1, k.shape[2], dtype=q.dtype, device=q.device) if mask is None else mask
-            y = F.scaled_dot_product_attention(q, torch.cat([kp[i], k], 2), torch.cat([vp[i], v], 2),
-                                               attn_mask=torch.cat([self.prefix_mask[i], own], -1))
+            i = self.prompt
+            both = F.pad(self.row_mask, (0, k.shape[2])) if mask is None else torch.cat([self.row_mask, mask], -1)
+            y = F.scaled_dot_product_attention(q, torch.cat([kp[i], k], 2), torch.cat([vp[i], v], 2), attn_mask=both)
             return y.view(b, H, 1, D)
         everyone = b == U * n  # no row has left yet: stacking is a reshape
 
