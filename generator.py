@@ -248,14 +248,23 @@ class VLLMGenerator:
 # pure torch
 
 
+SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse-CDF draw in sample()
+
+
 def sample(logits, temperature, top_k, top_p, generator, u=None):
     """logits (R, V) fp32 -> tokens (R,), logp (R,) under the distribution sampled from (module docstring).
     u (R, 1): the rows' uniforms, if the caller draws them (TorchGenerator does, so that a row's random stream
-    does not depend on which other rows are still in the batch); else drawn here from `generator`."""
+    does not depend on which other rows are still in the batch); else drawn here from `generator`.
+
+    The draw is an inverse CDF, one uniform per row (25x cheaper on CPU than an exponential per vocabulary entry),
+    in two levels: the mass of each block of SAMPLE_BLOCK entries, a cumulative sum over the blocks to find the
+    block, then one over that block's entries. A cumulative sum runs serially along a row, and over all 49,152
+    entries it was the largest part of a CPU decode step's sampling (3.0 against 0.8 ms at 16 rows, box C)."""
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
-    logits = logits / temperature
+    if temperature != 1.0:
+        logits = logits / temperature
     if 0 < top_k < logits.size(-1):  # like vLLM: keep every token >= the k-th largest logit (ties included)
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -264,15 +273,26 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
         drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[:, -1] = False          # keep at least one
         logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    logp_all = torch.log_softmax(logits, -1)
-    # Inverse-CDF draw, one uniform per row: the first token whose cumulative mass exceeds u (right=True never lands
-    # on a zero-mass, filtered token). 25x cheaper on CPU than an exponential per vocabulary entry.
-    cdf = logp_all.exp().cumsum(-1)
+    (R, V), n = logits.shape, SAMPLE_BLOCK
+    top = logits.amax(-1, keepdim=True)
+    e = (logits - top).exp_()        # unnormalised probabilities; filtered tokens 0
+    if V % n:
+        e = torch.nn.functional.pad(e, (0, n - V % n))  # zero mass past the vocabulary
+    blocks = e.view(R, -1, n)
+    mass = blocks.sum(-1)            # (R, V / n)
+    cdf = mass.cumsum(-1)
     if u is None:
-        u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
-    u = u.to(cdf.dtype) * cdf[:, -1:]
-    tok = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
-    return tok, logp_all.gather(-1, tok[:, None])[:, 0]
+        u = torch.rand(R, 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
+    x = u.to(cdf.dtype) * cdf[:, -1:]
+
+    def first_above(cdf, x, p):  # the first entry whose cumulative mass exceeds x; where rounding puts x past
+        i = torch.searchsorted(cdf, x, right=True)  # them all, the last entry with mass (never a filtered one)
+        return torch.minimum(i, ((p > 0) * torch.arange(p.shape[-1], device=p.device)).amax(-1, keepdim=True))
+    b = first_above(cdf, x, mass)    # (R, 1) the block
+    inner = blocks[torch.arange(R, device=e.device), b[:, 0]]
+    x = x - (cdf.gather(-1, b) - mass.gather(-1, b))  # the mass still to go inside the block
+    tok = (b * n + first_above(inner.cumsum(-1), x, inner))[:, 0]
+    return tok, logits.gather(-1, tok[:, None])[:, 0] - top[:, 0] - cdf[:, -1].log()
 
 
 class TorchGenerator:

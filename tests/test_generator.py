@@ -428,23 +428,32 @@ def test_torchrun_dedicated_generator_rank(ckpt, request, tmp_path):
     assert max(r["gaps_new"]) < TOL and r["gap_old"] > 1e-2 and r["greedy_equal_torch"]
 
 
-def test_sample_draws_from_the_filtered_distribution():
+@pytest.mark.parametrize("vocab", [6, 700])
+def test_sample_draws_from_the_filtered_distribution(vocab):
     """generator.sample against the distribution it claims: empirical frequencies over 40k draws per row match
-    softmax(logits / T) renormalised over the tokens top-k / top-p keep, and a filtered token is never drawn."""
+    softmax(logits / T) renormalised over the tokens top-k / top-p keep, and a filtered token is never drawn.
+    700 entries: the two-level draw over blocks of SAMPLE_BLOCK, the last one padded past the vocabulary."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    if vocab > 6:
+        logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 2
+        assert vocab % generator.SAMPLE_BLOCK and vocab > 2 * generator.SAMPLE_BLOCK
     rows = logits.repeat_interleave(40_000, 0)
     rng = torch.Generator().manual_seed(0)
-    for T, k, p in ((1.0, -1, 1.0), (0.7, 3, 1.0), (1.3, -1, 0.8)):
+    for T, k, p in ((1.0, -1, 1.0), (0.7, 3, 1.0), (1.3, -1, 0.8), (1.0, 40, 1.0)):
         tok, logp = generator.sample(rows, T, k, p, rng)
         want = logp_want = torch.log_softmax(logits / T, -1)
-        if k > 0:
+        if 0 < k < vocab:
             kth = (logits / T).topk(k, -1).values[:, -1:]
             want = torch.log_softmax((logits / T).masked_fill(logits / T < kth, float("-inf")), -1)
         if p < 1.0:
             probs, idx = logp_want.exp().sort(-1)
             drop = (probs.cumsum(-1) <= 1 - p).scatter(-1, idx, probs.cumsum(-1) <= 1 - p)
             want = torch.log_softmax((logits / T).masked_fill(drop, float("-inf")), -1)
-        freq = torch.stack([torch.bincount(tok.view(2, -1)[i], minlength=6) for i in range(2)]).float() / 40_000
+        freq = torch.stack([torch.bincount(tok.view(2, -1)[i], minlength=vocab) for i in range(2)]).float() / 40_000
         assert (freq - want.exp()).abs().max() < 0.01, (T, k, p, freq, want.exp())
         assert (freq[want.exp() == 0] == 0).all()
         assert torch.allclose(logp.view(2, -1), want.gather(-1, tok.view(2, -1)), atol=1e-6)
+        # the ends of the uniform's range: the first and the last token with mass, never a filtered one
+        kept = (want.exp() > 0).long() * torch.arange(vocab)
+        for u, end in ((torch.zeros(2, 1), (want.exp() > 0).long().argmax(-1)), (torch.ones(2, 1), kept.amax(-1))):
+            assert torch.equal(generator.sample(logits, T, k, p, rng, u=u)[0], end), (T, k, p, u)
