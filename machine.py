@@ -31,10 +31,23 @@ import torch
 BF16_MIN_SPEEDUP = 1.25  # bf16 costs train/generator agreement (0.037 nats per token vs 2e-6 in fp32): only for speed
 
 
+def cpu_model() -> dict:
+    """The CPU's name and the matrix-unit flags torch's capability string does not tell apart ("AVX512" on boxes
+    with and without AMX, whose bf16 matmuls differ 3x), from /proc/cpuinfo; {} where there is none."""
+    with contextlib.suppress(OSError):
+        first = open("/proc/cpuinfo").read().split("\n\n")[0]  # one processor's block
+        lines = {k.strip(): v for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+        flags = lines.get("flags", "").split()
+        return {"cpu_model": lines.get("model name", "").strip(),
+                "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]}
+    return {}
+
+
 def info() -> dict:
     """What a run's numbers depend on besides its config: CPU kernel path (AVX2 and AVX-512 boxes round differently,
-    and tiny-model RL amplifies it), cores and threads, versions. Written beside config.json."""
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": len(os.sched_getaffinity(0)),
+    and tiny-model RL amplifies it), the CPU, cores and threads, versions. Written beside config.json."""
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), **cpu_model(),
+            "cores": len(os.sched_getaffinity(0)),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
 

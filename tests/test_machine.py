@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -130,6 +131,10 @@ def test_roofline_records_the_machine():
     json.dumps(r)  # goes into bench/results/*.json as is
     assert r["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and r["cores"] >= 1
     assert r["read_gbps"] > 0 and r["fp32_gflops"] > 0 and r["fp32_gflops_16x64x128"] > 0
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "model name" in cpuinfo:  # the CPU by name, and whether it has AMX (both say "AVX512" to torch)
+        assert r["cpu_model"] and r["cpu_model"] in cpuinfo
+        assert ("amx_bf16" in r["cpu_flags"]) == (" amx_bf16" in cpuinfo)
     assert r["auto_dtype"] in ("float32", "bfloat16")
     # bf16 is timed only where the probe found a hardware path (else a 2048^3 matmul takes ~60 s)
     has_path = r["dtype_probe"]["bfloat16"] >= r["dtype_probe"]["float32"] / 4
