@@ -1,5 +1,9 @@
 """rollout.py's pure parts: the sync/eval schedule that a dedicated generator rank and the trainers must agree on;
-the backend that "auto" picks. (The data order, a function of seed and step alone, is data.step_batch: test_data.py.)"""
+the backend that "auto" picks; collecting a step's rollouts. (The data order, a function of seed and step alone, is
+data.step_batch: test_data.py.)"""
+import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +13,7 @@ import generator
 import rollout
 import run
 from generator import TorchGenerator
+from conftest import ROOT
 from model import Transformer
 
 
@@ -98,3 +103,32 @@ def test_kv_cache_sized_to_one_step(tiny_ckpt, tmp_path):
     assert isinstance(generator.make_generator("torch", tiny_ckpt, max_model_len=64), TorchGenerator)
     with pytest.raises(ValueError, match="'vllm' or 'torch'"):
         generator.make_generator("hf", tiny_ckpt)
+
+
+COLLECT = """
+import json, os, sys, time, torch, torch.distributed as tdist
+import rollout
+torch.set_num_threads(2)
+tdist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.ones(1 << 20).add_(1)  # the main thread's OpenMP team
+names = lambda: sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+before = names()
+share = {"idx": [0, 1, 2, 3], "gen_s": 1.0,  # 4 prompts x 8 x 128 logprobs: a ~40 KB pickle
+         "completions": [[[float(i * j + k) for k in range(128)] for j in range(8)] for i in range(4)]}
+groups, gen_s = rollout.collect(share, 4)
+time.sleep(0.2)
+print(json.dumps({"before": before, "after": names(), "same": groups == share["completions"] and gen_s == 1.0}))
+"""
+
+
+def test_collect_in_one_process_starts_no_openmp_team_in_gloos_threads(tmp_path):
+    """A step's rollouts gathered through gloo ran torch's copy of the (~40 KB) pickle in a gloo thread, which then
+    started an OpenMP team of its own: from then on libgomp manages more threads than the process has cores and every
+    parallel region's threads sleep instead of spinning between regions. Generation after step 0 ran ~30% slower (box
+    D: 12.1 against 9.2 s; docs/performance.md). One process has nothing to gather from: its share is the step.
+    The thread names tell: an OpenMP worker takes its creator's name, here gloo's pt_gloo_runloop."""
+    p = subprocess.run([sys.executable, "-c", COLLECT, str(tmp_path / "pg")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.splitlines()[-1])
+    assert r["same"] and r["after"] == r["before"], r
