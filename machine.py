@@ -33,7 +33,7 @@ BF16_MIN_SPEEDUP = 1.25  # bf16 costs train/generator agreement (0.037 nats per 
 
 def cpu_model() -> dict:
     """The CPU's name and the matrix-unit flags torch's capability string does not tell apart ("AVX512" on boxes
-    with and without AMX, whose bf16 matmuls differ 3x), from /proc/cpuinfo; {} where there is none."""
+    with and without AMX, whose bf16 matmuls differ 5x), from /proc/cpuinfo; {} where there is none."""
     with contextlib.suppress(OSError):
         first = open("/proc/cpuinfo").read().split("\n\n")[0]  # one processor's block
         lines = {k.strip(): v for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}

@@ -156,7 +156,8 @@ def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len, budget=None) 
 # q/k/v and gate/up matmuls (kvcache.py, machine.onednn_weights), and the order flipped: three repeats in bf16 on box
 # C, alternating which ran first, generation torch 7.04 / 6.96 / 7.03 s against vLLM 7.28 / 7.08 / 7.14, steps
 # 16.08 / 16.26 / 16.35 against 17.18 / 16.87 / 17.46 (0.94-0.96); in fp32 (one run, beside TRL) 8.97 against
-# 9.75 s. So colocated on CPU "auto" is the torch generator at every size, length and dtype measured.
+# 9.75 s. On box D (an Intel Xeon with AMX, 2026-12-05, one run each beside TRL): 9.11 against 10.64 s in fp32, 5.82
+# against 6.07 in bf16. So colocated on CPU "auto" is the torch generator at every size, length and dtype measured.
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
 
@@ -302,8 +303,9 @@ def collect(local, num_problems):
     """All-gather every producer's share (trainers without a generator send None); order by index. One process
     gathers nothing: gloo would copy the pickle in its own thread, whose OpenMP team then outnumbers the cores and
     makes every later parallel region's threads sleep between regions (generation ~30% slower after step 0)."""
-    shares = [local] if tdist.get_world_size() == 1 else [None] * tdist.get_world_size()
-    if len(shares) > 1:
+    world = tdist.get_world_size()
+    shares = [local] if world == 1 else [None] * world
+    if world > 1:
         tdist.all_gather_object(shares, local)
     groups, gen_s = [None] * num_problems, 0.0
     for share in shares:

@@ -12,8 +12,8 @@ import torch
 import generator
 import rollout
 import run
-from generator import TorchGenerator
 from conftest import ROOT
+from generator import TorchGenerator
 from model import Transformer
 
 
