@@ -24,7 +24,7 @@ optim.warmup_steps = 20             # Adam's first steps are sign steps: at full
 optim.schedule = "cosine"           # to 0.1 x lr at the last step
 optim.betas = (0.9, 0.99)
 optim.grad_clip = 1.0
-train.steps = 300                   # the demo: +0.15 to +0.31 held-out over 5 seeds x 2 numeric paths (docs/demo.md)
+train.steps = 300                   # the demo: +0.15 to +0.37 held-out, 5 seeds x 2 paths x 2 boxes (docs/demo.md)
 train.micro_batch = 256             # one forward/backward for the whole batch (tiny model)
 dist.generator_ranks = 0             # colocated; rollout.backend "auto" = the torch generator on CPU
 eval.every = 50
