@@ -303,9 +303,9 @@ def collect(local, num_problems):
     """All-gather every producer's share (trainers without a generator send None); order by index. One process
     gathers nothing: gloo would copy the pickle in its own thread, whose OpenMP team then outnumbers the cores and
     makes every later parallel region's threads sleep between regions (generation ~30% slower after step 0)."""
-    world = tdist.get_world_size()
-    shares = [local] if world == 1 else [None] * world
-    if world > 1:
+    shares = [local]
+    if tdist.get_world_size() > 1:
+        shares = [None] * tdist.get_world_size()
         tdist.all_gather_object(shares, local)
     groups, gen_s = [None] * num_problems, 0.0
     for share in shares:
