@@ -19,15 +19,17 @@ $(EXTRAS): $(STAMP) requirements-extra.txt
 	$(PY) -m pip install --disable-pip-version-check -r requirements-extra.txt
 	rm -f .venv/.extras-* && touch $(EXTRAS)
 
-# two workers, each pinned to half the cores (tests/conftest.py) and given whole files, longest first: 717-751 s
-# against 1140-1213 s in one process on box C's 2 cores. One core runs the suite in one process.
+# two workers, each pinned to half the cores (tests/conftest.py) and given whole files, longest
+# first: about 0.6 of the suite's time in one process. One core runs the suite in one process.
+# (docs/performance.md#the-test-suites-wall-time)
 XDIST = $(shell [ $$(nproc) -ge 2 ] && echo "--numprocesses=2 --dist=loadfile --no-loadscope-reorder")
 
 test: $(STAMP) $(EXTRAS)
 	$(PY) -m pytest -q $(XDIST) tests
 
 # the unit tier a forker runs after editing a loss, reward, config or dataset: no trainer subprocess, torchrun,
-# vLLM engine or real model (those are marked slow); <= 90 s on 2 cores (box C: 40 s in two workers, 58 s in one)
+# vLLM engine or real model (those are marked slow); <= 90 s on 2 cores
+# (docs/performance.md#the-test-suites-wall-time)
 test-fast: $(STAMP) $(EXTRAS)
 	$(PY) -m pytest -q -m "not slow" $(XDIST) tests
 

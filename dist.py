@@ -21,8 +21,8 @@ GPUs keeps every library in that process (CUDA graphs, Triton, NCCL, memory prof
 cuda:LOCAL_RANK, so no two ranks share a GPU as long as a node has a GPU per local rank (check_gpu_layout, called by
 checks.grpo). NCCL variables are set the same on every rank before init_process_group: 0.32's Worker.init_device pops
 NCCL_ASYNC_ERROR_HANDLING on its ranks only, and other vLLM releases set NCCL_CUMEM_ENABLE=0 on import
-(../shared/notes/vllm-gpu.md; 0.32's env_override.py does not, it sets PYTORCH_NVML_BASED_CUDA_CHECK=1, which keeps
-torch.cuda.is_available() from initialising CUDA). Ranks whose NCCL settings differ can hang or fail in their first
+(docs/gpu.md#what-vllms-source-says-about-gpus; 0.32's env_override.py does not, it sets
+PYTORCH_NVML_BASED_CUDA_CHECK=1, which keeps torch.cuda.is_available() from initialising CUDA). Ranks whose NCCL settings differ can hang or fail in their first
 broadcast.
 
 Start order. vLLM's in-process engine creates its own private 1-rank default process group; if the world group

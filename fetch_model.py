@@ -26,7 +26,8 @@ looks complete; the next call clears the leftovers and starts over. A second cal
 
 Cache: $NANOFORGE_CACHE, else $XDG_CACHE_HOME/nanoforge, else ~/.cache/nanoforge: outside the repository, so the
 538 MB of fp32 weights can never be committed. Dequantised Q4_1 weights are a real but slightly degraded SmolLM2;
-what it scores here (../shared/notes/real-model.md) is what this checkpoint scores, not the hub's bf16 one.
+what it scores here (docs/real-model.md#the-first-measurements-on-this-model) is what this
+checkpoint scores, not the hub's bf16 one.
 Left out: other models and quantisations (the checksums pin exactly one file), resuming a partial download.
 """
 import fcntl

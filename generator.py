@@ -256,10 +256,11 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
     u (R, 1): the rows' uniforms, if the caller draws them (TorchGenerator does, so that a row's random stream
     does not depend on which other rows are still in the batch); else drawn here from `generator`.
 
-    The draw is an inverse CDF, one uniform per row (25x cheaper on CPU than an exponential per vocabulary entry),
-    in two levels: the mass of each block of SAMPLE_BLOCK entries, a cumulative sum over the blocks to find the
-    block, then one over that block's entries. A cumulative sum runs serially along a row, and over all 49,152
-    entries it was the largest part of a CPU decode step's sampling (3.0 against 0.8 ms at 16 rows, box D)."""
+    The draw is an inverse CDF, one uniform per row (far cheaper on CPU than an exponential per
+    vocabulary entry), in two levels: the mass of each block of SAMPLE_BLOCK entries, a cumulative
+    sum over the blocks to find the block, then one over that block's entries. A cumulative sum runs
+    serially along a row, and over all 49,152 entries it was the largest part of a CPU decode step's
+    sampling (docs/performance.md#where-a-step-goes)."""
     if temperature == 0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]

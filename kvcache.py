@@ -19,9 +19,9 @@ l = log sum_j exp(q k_j / sqrt(D)):
     y = (e^l_p y_p + e^l_s y_s) / (e^l_p + e^l_s) = y_s + sigmoid(l_p - l_s) (y_p - y_s)
 
 which is the softmax over the concatenated keys, summed in another order. On a GPU (launch-bound at decode, and no
-public kernel there returns l) each row's prompt is gathered in front of its own keys for one SDPA instead. Measured
-(docs/performance.md, box C, 2 GSM8K prompts x 8 x 128 tokens): with 880-token prompts generate() took 0.71-0.76 of
-the time of copying the prompt to each row; with ~85-token prompts the two were even.
+public kernel there returns l) each row's prompt is gathered in front of its own keys for one SDPA instead.
+Sharing pays with long prompts and costs nothing with short ones
+(docs/performance.md#each-prompts-keys-held-once).
 
 Left out: paged blocks (each generate() call has one contiguous buffer), reusing a prompt's keys across calls
 (vLLM's prefix cache), and sharing what the G rows generate.

@@ -1,9 +1,9 @@
 """Know the machine: what a run's speed depends on, measured where it runs, and the choices that follow from it.
 
-The same code was 2.2x faster in bf16 than in fp32 on one 2-core box (AVX-512 with BF16: oneDNN has bf16 kernels)
-and ~400x slower on the next (AVX2 only: a bf16 2048^3 matmul ran at 0.30 GFLOP/s against fp32's 131), and two
-processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x slower than one thread each
-(../shared/notes/machines.md). So neither the compute dtype nor the thread count is a constant in a config:
+bf16 is several times faster than fp32 on CPUs with hardware bf16 and hundreds of times slower on
+AVX2-only ones, and OpenMP threads beyond a job's cores slow a decode step by an order of magnitude
+(docs/machines.md#what-follows-for-the-code). So neither the compute dtype nor the thread count is a
+constant in a config:
 
 - `choose_dtype`: `model.dtype = "auto"` means bf16 on a GPU; on a CPU, bf16 only where `probe_dtype` (< 0.1 s at
   start-up) measures bf16 matmuls at least BF16_MIN_SPEEDUP times faster than fp32 at an update-like shape, else
@@ -16,8 +16,9 @@ processes with 2 OpenMP threads each on those 2 cores made a decode step 10-20x 
 - `huge_pages`: torch's CPU allocator asks for 2 MB pages (THP_MEM_ALLOC_ENABLE), so the GBs of fresh buffers an
   update allocates are not faulted in 4 KB at a time (set when this module is imported; logged with the threads).
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
-  the matmul rate on CPU; the same weights reordered once for oneDNN run 1.3-3.7x faster there in fp32, 1.5x in bf16
-  where oneDNN has bf16 kernels (the torch generator uses them; bench/decode.py).
+  the matmul rate on CPU; the same weights reordered once for oneDNN run faster there, in fp32 and
+  in bf16 where oneDNN has bf16 kernels (the torch generator uses them;
+  docs/performance.md#the-decode-step).
 - `available_bytes`: the memory the OS can give now, which bounds what a CPU vLLM engine's KV cache may take.
 - `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
   cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
@@ -158,13 +159,13 @@ _USER_BIND = "VLLM_CPU_OMP_THREADS_BIND" in os.environ  # set by the user: their
 
 
 def huge_pages() -> str:
-    """Ask torch's CPU allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE=1: madvise(MADV_HUGEPAGE) on every
-    buffer of >= 2 MB) unless the environment already says. An update allocates GBs of fresh activations, logits
-    and grads, and glibc returns big buffers to the OS on free, so each step faulted them in again 4 KB at a time:
-    4.0M page faults in 4 short updates at 135M, 0.72M with huge pages, the update 12.7 -> 10.8 s (box C,
-    bench/update.py; docs/performance.md). torch reads the variable at its first CPU allocation, so this runs when
-    this module is imported (and again, to log it, in set_threads); after a tensor exists it changes nothing.
-    Returns what the start-up log says."""
+    """Ask torch's CPU allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE=1:
+    madvise(MADV_HUGEPAGE) on every buffer of >= 2 MB) unless the environment already says. An
+    update allocates GBs of fresh activations, logits and grads, and glibc returns big buffers
+    to the OS on free, so each step faulted them in again 4 KB at a time (measured:
+    docs/performance.md#huge-pages). torch reads the variable at its first CPU allocation, so
+    this runs when this module is imported (and again, to log it, in set_threads); after a
+    tensor exists it changes nothing. Returns what the start-up log says."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return f"THP_MEM_ALLOC_ENABLE={os.environ['THP_MEM_ALLOC_ENABLE']} (kernel THP: {thp_mode()})"
 

@@ -1,8 +1,9 @@
 """The synthetic tasks: problems drawn from a seed, with no download, for the CPU demos and the tests.
 
-- `make_arith`: the word problems the CPU demo learns from scratch (../shared/notes/tiny-task.md): "Sue has 11 eggs.
-  She finds 65 more. How many eggs now?" -> " 11 + 65 = 76. The answer is 76." (target "76"). The tiny
-  checkpoint's tokenizer is trained on them (data.make_tiny_tokenizer).
+- `make_arith`: the word problems the CPU demo learns from scratch
+  (docs/demo.md#how-the-task-was-calibrated): "Sue has 11 eggs. She finds 65 more. How many eggs
+  now?" -> " 11 + 65 = 76. The answer is 76." (target "76"). The tiny checkpoint's tokenizer is
+  trained on them (data.make_tiny_tokenizer).
 - `make_code`: one-line Python specs ("Write a Python function f(x) that returns 7 times x plus 3.") whose target
   holds tests the program never sees; rewards.CodeReward runs them in the sandbox.
 
@@ -14,7 +15,7 @@ import json
 import random
 
 # ---------------------------------------------------------------------------------------------------------------
-# The synthetic arithmetic task (../shared/notes/tiny-task.md)
+# The synthetic arithmetic task (docs/demo.md#how-the-task-was-calibrated)
 # ---------------------------------------------------------------------------------------------------------------
 NAMES = [("Sue", "She"), ("Tom", "He"), ("Ann", "She"), ("Bob", "He"), ("Mia", "She"),
          ("Sam", "He"), ("Eva", "She"), ("Max", "He"), ("Zoe", "She"), ("Leo", "He")]

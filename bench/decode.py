@@ -27,7 +27,7 @@ over --rounds rounds of the best of 3 calls (machine._best_s), every variant mea
 minute on a shared box hits them alike); min and max are kept. Unless --no-generate, whole generate() calls on a
 GRPO-shaped batch (2 GSM8K prompts x 8 samples at T = 1) are timed too, with each matmul lever.
 
-    .venv/bin/python bench/decode.py                        # bench/results/decode.json (~6 minutes on box B)
+    .venv/bin/python bench/decode.py                        # bench/results/decode.json (minutes)
     .venv/bin/python bench/decode.py --batches 8 --rounds 1 --context 64 --prompt 20 --no-generate   # smoke run
 """
 import argparse
@@ -49,7 +49,7 @@ import kvcache  # noqa: E402
 import machine  # noqa: E402
 import packing  # noqa: E402
 
-GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = ROOT / "data" / "gsm8k" / "test.jsonl"
 SUFFIX = {"fp32": "", "bf16": "_bf16"}  # result keys: fp32's as before bf16 was timed
 G = 8  # rows a prompt: GRPO's group size (bench/vs_trl.py's)
 

@@ -38,7 +38,7 @@ import generator  # noqa: E402
 import machine  # noqa: E402
 import tasks  # noqa: E402
 
-GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_TEST = ROOT / "data" / "gsm8k" / "test.jsonl"
 WORKLOADS = {  # name: (prompt kind, prompts, samples per prompt, temperature, max tokens)
     "short_sampled": ("arith", 4, 8, 1.0, 40),
     "long_greedy": ("gsm8k", 32, 1, 0.0, 256),

@@ -63,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / "bench" / ".venv-trl"
 TRL_PINS = ["trl==1.16.0", "accelerate==1.15.0"]
 SHARED_PINS = ["transformers==5.19.0", "numpy==2.3.5", "torch==2.13.0"]  # must match requirements-cpu.txt
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+GSM8K = ROOT / "data" / "gsm8k"
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 VARIANTS = ["torch", "torch_compiled", "bf16", "vllm", "vllm_bf16", "auto", "auto_fp32", "sync", "async", "async_torch"]
 SIZES = {  # checkpoint (data.make_tiny_checkpoint kwargs, or "smollm2": the real one), base config, lr, workloads

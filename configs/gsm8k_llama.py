@@ -10,6 +10,6 @@ import sys
 exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm8k.py")).read())  # the 8-GPU base
 model.path = "meta-llama/Llama-3.2-1B-Instruct"
 loss.name = "grpo"
-loss.kwargs = {"beta": 0.04}        # DeepSeekMath's KL coefficient (../shared/specs/losses.md section 4)
+loss.kwargs = {"beta": 0.04}        # DeepSeekMath's KL coefficient (docs/losses-spec.md section 4)
 optim.lr = 1e-6
 log.run = "gsm8k_llama"

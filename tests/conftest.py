@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths to ../shared, tiny checkpoints, the real SmolLM2-135M-Instruct checkpoint,
+"""Shared test fixtures: the repository's paths, tiny checkpoints, the real SmolLM2-135M-Instruct checkpoint,
 and one warmed vLLM engine per session for each of the tiny and the real model.
 
 The vLLM engine is the slow thing to start (a few seconds, plus a one-off warm-up on the first
@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-GSM8K_DIR = SHARED / "data" / "gsm8k"
+GSM8K_DIR = ROOT / "data" / "gsm8k"  # carried by the repository (MIT, its LICENSE beside it)
 sys.path.insert(0, str(ROOT))
+# What only the built-in losses carry: a gsm8k_<loss>.py recipe with the paper's settings, a tiny_<loss>.py cell of
+# the loss grid (scripts/compare.py) and a section of docs/losses-spec.md. A loss a fork adds needs none of them.
+BUILTIN_LOSSES = ("grpo", "dr_grpo", "dapo", "cispo", "gspo", "sapo", "simple_grpo", "reinforce")
 
 
 def pin_xdist_worker():
@@ -37,8 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # make test hands whole files to its workers (--dist loadfile) in collection order: the longest start first, so no
-# worker is left running one of them alone at the end (box C, one core a worker: demo 273 s, train_grpo 246 s,
-# real_model 170 s, faults 168 s, dist 102 s; the rest <= 83 s)
+# worker is left running one of them alone at the end
+# (docs/performance.md#the-test-suites-wall-time)
 LONGEST_FIRST = ["test_demo.py", "test_train_grpo.py", "test_real_model.py", "test_faults.py", "test_dist.py"]
 
 

@@ -1,5 +1,6 @@
 """Tests for data.py: oracles are transformers (chat templates, tokenizer, checkpoint loading), vLLM (the tiny
-checkpoint serves and its logprobs match transformers), the GSM8K files in ../shared/data, and arithmetic itself."""
+checkpoint serves and its logprobs match transformers), the GSM8K files in data/gsm8k, and
+arithmetic itself."""
 import json
 import re
 

@@ -21,7 +21,7 @@ from conftest import ROOT
 
 def test_dtype_rule_from_the_probe_figures():
     assert machine.choose_dtype("cuda")[0] == "bfloat16"
-    # box A (AVX-512 BF16): a 2048^3 bf16 matmul at ~2.2x fp32; box B (AVX2): 0.30 against 131 GFLOP/s
+    # an AVX-512 BF16 CPU, then an AVX2-only one (docs/machines.md#the-boxes)
     assert machine.choose_dtype("cpu", 170.0, 370.0)[0] == "bfloat16"
     dtype, why = machine.choose_dtype("cpu", 131.0, 0.30)
     assert dtype == "float32" and "0.3 vs fp32 131.0" in why
