@@ -25,7 +25,6 @@ import dist
 import episodes
 import losses
 import rollout
-import run
 
 
 def fields(cfg, rules):
@@ -53,9 +52,24 @@ def optim_rules(c):
              "torch.compile of tensor-parallel (DTensor) blocks fails while tracing in torch 2.13")]
 
 
+def single_turn_options(cfg):
+    """Any base config takes any env, as it takes any loss: what a single-turn recipe set that episodes read
+    differently is adjusted with a one-line note instead of refused."""
+    r, say = cfg.rollout, lambda msg: print("note: " + msg, file=sys.stderr)
+    if r.env and r.overlong_cache:  # it reads one reply's length; an episode holds several
+        say(f"rollout.overlong_cache={r.overlong_cache} dropped (set to 0): DAPO's overlong shaping is single-turn "
+            "(with rollout.env, rollout.max_tokens still caps each reply)")
+        r.overlong_cache = 0
+    if r.env and 0 < r.max_tokens and r.max_episode_tokens < r.max_tokens:  # not even one reply would fit
+        say(f"rollout.max_episode_tokens={r.max_episode_tokens} raised to rollout.max_turns x rollout.max_tokens = "
+            f"{r.max_turns * r.max_tokens}: an episode must fit one whole reply")
+        r.max_episode_tokens = r.max_turns * r.max_tokens
+
+
 def grpo(cfg, world_size):
     """train_grpo.py's config, at this world size."""
     err, c = config.ConfigError, cfg
+    single_turn_options(cfg)
     fields(cfg, optim_rules(c) + [
         ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits, ">= 1 and <= data.max_digits"),
         ("data.max_prompt_tokens", c.data.max_prompt_tokens >= 1, ">= 1"),
@@ -76,8 +90,6 @@ def grpo(cfg, world_size):
         ("rollout.reward_timeout_s", c.rollout.reward_timeout_s > 0, "> 0"),
         ("rollout.reward_workers", c.rollout.reward_workers >= 0, ">= 0"),
         ("rollout.max_turns", c.rollout.max_turns >= 1, ">= 1"),
-        ("rollout.max_episode_tokens", not c.rollout.env or c.rollout.max_episode_tokens >= c.rollout.max_tokens,
-         ">= rollout.max_tokens with rollout.env"),
         ("rollout.max_env_chars", c.rollout.max_env_chars >= 1, ">= 1"),
         ("rollout.env_timeout_s", c.rollout.env_timeout_s > 0, "> 0"),
         ("loss.adv_eps", c.loss.adv_eps > 0, "> 0"),
@@ -96,16 +108,12 @@ def grpo(cfg, world_size):
     outside_world(cfg)
     rollout.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
-    if cfg.rollout.env and cfg.rollout.overlong_cache:  # it reads one reply's length; an episode holds several
-        raise err(f"rollout.overlong_cache={cfg.rollout.overlong_cache}: DAPO's overlong shaping is single-turn; "
-                  "set it to 0 with rollout.env (rollout.max_tokens still caps each reply)")
-    if cfg.loss.name not in losses.LOSSES:
-        raise err(f"loss.name: unknown loss {cfg.loss.name!r}{config._closest(cfg.loss.name, losses.LOSSES)}")
+    loss_cls = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")
     kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))
     try:
-        losses.LOSSES[cfg.loss.name](**kw)
+        loss_cls(**kw)
     except (TypeError, ValueError) as e:
-        own = inspect.signature(losses.LOSSES[cfg.loss.name]).parameters
+        own = inspect.signature(loss_cls).parameters
         raise err(f"loss.kwargs: {e}" + "".join(config._closest(k, own) for k in kw if k not in own)) from None
     stale = cfg.rollout.max_staleness or cfg.train.ppo_epochs * cfg.train.minibatches > 1
     if cfg.loss.name == "simple_grpo" and stale:
@@ -114,9 +122,8 @@ def grpo(cfg, world_size):
               f"rollout.max_staleness={cfg.rollout.max_staleness}, train.ppo_epochs={cfg.train.ppo_epochs}, "
               f"train.minibatches={cfg.train.minibatches} nothing corrects for the stale policy; use 'grpo' "
               "for off-policy or multi-update training", file=sys.stderr)
-    if cfg.loss.adv not in ("grpo", "drgrpo", "rloo", "reinforce_pp"):
-        raise err(f"loss.adv: {cfg.loss.adv!r} is not one of grpo, drgrpo, rloo, reinforce_pp")
-    if cfg.loss.adv != "reinforce_pp" and cfg.rollout.group_size < 2:
+    config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
+    if cfg.loss.adv in ("grpo", "dr_grpo", "rloo") and cfg.rollout.group_size < 2:
         raise err(f"rollout.group_size={cfg.rollout.group_size}: group advantages need at least 2 samples")
     if not 0 <= cfg.dist.generator_ranks < world_size:
         raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size {world_size}"
@@ -138,12 +145,13 @@ def loss_kwargs(cfg, say=None):
     """loss.kwargs for loss.name. A key this loss does not take but another loss does (a base config's GRPO `agg`
     under --loss.name=simple_grpo) is dropped, and `say` is told which; a key no loss takes is left in, so the
     loss's own error names it (grpo() adds the closest key this loss does take)."""
-    takes = {name: set(inspect.signature(cls).parameters) for name, cls in losses.LOSSES.items()}
-    own = takes[cfg.loss.name]
-    kw = {k: v for k, v in cfg.loss.kwargs.items() if k in own or not any(k in t for t in takes.values())}
+    cls = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")
+    others = [set(inspect.signature(c).parameters) for c in losses.LOSSES.values()]
+    own = set(inspect.signature(cls).parameters)
+    kw = {k: v for k, v in cfg.loss.kwargs.items() if k in own or not any(k in t for t in others)}
     if say and (dropped := sorted(set(cfg.loss.kwargs) - set(kw))):
-        say(f"note: loss.kwargs {dropped} dropped: {losses.LOSSES[cfg.loss.name].__name__} does not take them")
-    if cfg.loss.name == "dr_grpo":
+        say(f"note: loss.kwargs {dropped} dropped: {cls.__name__} does not take them")
+    if "max_tokens" in own:
         kw.setdefault("max_tokens", cfg.rollout.max_tokens)  # Dr.GRPO's constant C = generation budget
     return kw
 
@@ -190,12 +198,7 @@ def _looks_local(source):
 def check_data(d):
     """A dataset is "arith", "code", "gsm8k" or a user's loader "module:function" / "file.py:function" (it imports);
     a source that names a local file or directory exists (a hub name is not checked: it is downloaded when loaded)."""
-    if d.name not in ("arith", "code", "gsm8k") and ":" not in d.name:
-        raise config.ConfigError(f"data.name={d.name!r} must be arith, code, gsm8k, or a loader "
-                                 "'package.module:function' / 'path/to/file.py:function' returning {question, "
-                                 "solution, target} records")
-    if ":" in d.name:
-        run.load_object(d.name, "data.name")
+    config.named(d.name, dict.fromkeys(("arith", "code", "gsm8k")), "data.name", "dataset")
     for field in ("source", "eval_source"):
         source = getattr(d, field)
         if d.name not in ("arith", "code") and source and _looks_local(source) and not Path(source).exists():
@@ -216,12 +219,12 @@ def check_logging(log):
                                  "or set WANDB_MODE=offline to log to files only")
 
 
-def check_model_path(path):
-    """"tiny:<dir>", a local checkpoint (config.json), or what looks like a hub name ("org/name" that is not a local
-    path; run.resolve_model downloads it and fails naming it)."""
+def check_model_path(path, field="model.path"):
+    """"tiny:<dir>[@seed]", a local checkpoint (config.json), or what looks like a hub name ("org/name" that is not a
+    local path; run.resolve_model downloads it and fails naming it). `field`: the config field it came from."""
     if not path or path == "tiny:":
-        raise config.ConfigError("model.path is empty: give a checkpoint directory, a hub name or tiny:<dir>")
+        raise config.ConfigError(f"{field} is empty: give a checkpoint directory, a hub name or tiny:<dir>")
     looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
     if looks_local and not path.startswith("tiny:") and not Path(path, "config.json").exists():
-        raise config.ConfigError(f"model.path: no config.json in {path} (a checkpoint directory; `tiny:{path}` "
+        raise config.ConfigError(f"{field}: no config.json in {path} (a checkpoint directory; `tiny:{path}` "
                                  "would make a random tiny model there)")

@@ -5,11 +5,17 @@ A trainer declares its knobs as small dataclasses at the top of its file (one co
 overrides. A typo names the closest valid key (`loss.bta` -> did you mean `loss.beta`?), a wrong type names the
 field, a stray top-level name in a config file is an error (a silent new variable is how a long run trains with
 the wrong settings). Cross-field checks are the trainer's; `--help` and `--print-config` are run.py's.
+
+What a user brings (a loss, an advantage estimator, a reward, an env, a dataset) is named in a config the same
+way, and resolved by one function, `named`: a built-in's name, or "package.module:Name" / "path/to/file.py:Name".
 """
 import ast
 import dataclasses
 import difflib
+import importlib
+import sys
 import typing
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -102,3 +108,40 @@ def parse(sections: dict, argv: list[str]) -> dict:
 
 def to_dict(sections: dict) -> dict:
     return {name: dataclasses.asdict(obj) for name, obj in sections.items()}
+
+
+def load_object(spec, field):
+    """A callable named in the config: "package.module:Name" (importable) or "path/to/file.py:Name" (imported by
+    its file name, its directory put on sys.path, so a reward-pool worker can unpickle it). Else a ConfigError
+    naming the field: the module does not import, has no such name, or the name is not callable."""
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            file = Path(module_name).resolve()
+            if not file.is_file():
+                raise FileNotFoundError(f"no such file: {module_name}")
+            if str(file.parent) not in sys.path:
+                sys.path.insert(0, str(file.parent))
+            module = importlib.import_module(file.stem)
+            if Path(module.__file__).resolve() != file:  # e.g. a user file named data.py: nanoforge's own
+                raise ImportError(f"module name {file.stem!r} is taken by {module.__file__}; rename the file")
+        else:
+            module = importlib.import_module(module_name)
+        obj = getattr(module, attr)
+    except Exception as e:  # ImportError, FileNotFoundError, AttributeError, or whatever the module raised
+        raise ConfigError(f"{field}: cannot load {spec!r} ({type(e).__name__}: {e})") from None
+    if not callable(obj):
+        raise ConfigError(f"{field}: {spec!r} is a {type(obj).__name__}, not a callable or class")
+    return obj
+
+
+def named(spec, builtins, field, kind):
+    """The one loader of what a config names: a key of `builtins` -> its value; "package.module:Name" or
+    "path/to/file.py:Name" -> that object (load_object). Anything else fails naming the field and the closest
+    built-in `kind` (loss, estimator, reward, env, dataset)."""
+    if isinstance(spec, str) and spec in builtins:
+        return builtins[spec]
+    if isinstance(spec, str) and ":" in spec:
+        return load_object(spec, field)
+    raise ConfigError(f"{field}: unknown {kind} {spec!r}{_closest(str(spec), builtins)}; or name your own "
+                      "as 'package.module:Name' or 'path/to/file.py:Name'")

@@ -46,7 +46,6 @@ import config
 import envs
 import generator
 import reward_guard
-import run
 
 ENDS = ("done", "length", "context", "turns", "error")
 ANCHOR = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
@@ -59,13 +58,7 @@ def env_spec(spec):
     if not spec:
         return None, {}
     kwargs = dict(spec) if isinstance(spec, dict) else {"name": spec}
-    name = kwargs.pop("name", None)
-    if name in envs.BUILTIN:
-        return envs.BUILTIN[name], kwargs
-    if isinstance(name, str) and ":" in name:
-        return run.load_object(name, "rollout.env"), kwargs
-    raise config.ConfigError(f"rollout.env: unknown env {name!r}{config._closest(str(name), envs.BUILTIN)}; or name "
-                             "your own as 'package.module:Class' or 'path/to/file.py:Class'")
+    return config.named(kwargs.pop("name", None), envs.BUILTIN, "rollout.env", "env"), kwargs
 
 
 def make_env(cfg, problem):

@@ -32,7 +32,7 @@ sign(A)), so this is exactly weighting each token's loss by its truncated IS wei
 Entropy bonus: add entropy_bonus(entropy, mask, coef) to the loss (entropy from model.forward(return_entropy=True)).
 
 Left out: critics/GAE; verl's [-20, 20] clamp on lp - old (an overflow at a real token is a divergence to see,
-not hide); token counts across ranks (the trainer's job). Worked examples: ../shared/specs/losses.md.
+not hide); token counts across ranks (the trainer's job). Worked examples: docs/losses-spec.md.
 """
 import math
 
@@ -174,7 +174,7 @@ class DrGRPOLoss(nn.Module):
 
     C = max_tokens, the generation budget, the same for every batch (the authors' oat code, TRL "dr_grpo").
     Every token weighs 1/(B*C) whatever its sequence's length: GRPO's 1/n_i rewards short correct answers and
-    excuses long wrong ones. Pair with drgrpo_advantages (no std). vs GRPOLoss: same per-token loss with
+    excuses long wrong ones. Pair with dr_grpo_advantages (no std). vs GRPOLoss: same per-token loss with
     beta=0; only the normaliser differs (verl's variant also omits the /B).
     """
 
@@ -318,7 +318,12 @@ LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "cispo": CI
           "sapo": SAPOLoss, "simple_grpo": SimpleGRPOLoss, "reinforce": ReinforceLoss}
 
 
-# ---- advantage estimators: rewards (P prompts, G samples per prompt) -> advantages (P, G), no grad ----
+# ---- advantage estimators: rewards (B prompts, G samples each) -> advantages, no grad ---------------------
+# Each is called as fn(rewards, batch) and returns (B, G), one advantage per sequence, or (B*G, T), one per
+# token, where batch is the update's token batch (batch["mask"] is (B*G, T): 1 on trained tokens; also ids,
+# gen_logp). The four below are sequence-level and ignore it; a per-token one (a process reward, a teacher's
+# logprobs) reads it. `loss.adv` names one: a key of ADVANTAGES or a user's "file.py:fn". An estimator that
+# takes `eps` gets loss.adv_eps.
 
 def _as_float(x):
     x = torch.as_tensor(x)
@@ -331,7 +336,7 @@ def _centred(r):
     return torch.where(same, 0.0, r - r.mean(-1, keepdim=True))
 
 
-def group_advantages(rewards, eps=1e-6):
+def group_advantages(rewards, batch=None, eps=1e-6):
     """GRPO (DeepSeekMath section 4.1.2): A = (R - mean_g R) / (std_g R + eps) within each prompt's group.
     std is unbiased (ddof=1) as in verl/TRL/torchforge; eps=1e-6 is verl's (TRL/torchforge use 1e-4).
     A group of size 1 has nothing to compare against: its advantage is 0 (verl's convention)."""
@@ -339,19 +344,19 @@ def group_advantages(rewards, eps=1e-6):
     return torch.zeros_like(r) if r.shape[-1] < 2 else _centred(r) / (r.std(-1, keepdim=True) + eps)
 
 
-def drgrpo_advantages(rewards):
+def dr_grpo_advantages(rewards, batch=None):
     """Dr.GRPO: A = R - mean_g R. Dividing by std up-weights near-unanimous (too easy / too hard) groups."""
     return _centred(_as_float(rewards))
 
 
-def rloo_advantages(rewards):
+def rloo_advantages(rewards, batch=None):
     """RLOO (arXiv 2402.14740): baseline = mean of the OTHER G-1 samples, A = G/(G-1) (R - mean_g R).
     Unbiased: the baseline does not depend on the sample it scores. Group of size 1: 0."""
     r, g = _as_float(rewards), rewards.shape[-1]
     return torch.zeros_like(r) if g < 2 else g / (g - 1) * _centred(r)
 
 
-def reinforce_pp_advantages(rewards, group_baseline=False, eps=1e-8):
+def reinforce_pp_advantages(rewards, batch=None, eps=1e-8, group_baseline=False):
     """REINFORCE++ (arXiv 2501.03262v1, eqs. 4-8): whiten over the WHOLE batch, not per group:
     A = (R - mean_batch) / (std_batch + eps), ddof=1; group_baseline=True (verl's "REINFORCE++-baseline")
     subtracts each group's mean first. NOTE: sequence-level; per-token KL-in-reward returns are the caller's."""
@@ -359,6 +364,10 @@ def reinforce_pp_advantages(rewards, group_baseline=False, eps=1e-8):
     if group_baseline:
         r = r - r.mean(-1, keepdim=True)
     return torch.zeros_like(r) if r.numel() < 2 else (r - r.mean()) / (r.std() + eps)
+
+
+ADVANTAGES = {"grpo": group_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages,
+              "reinforce_pp": reinforce_pp_advantages}
 
 
 def zero_std_groups(rewards):

@@ -136,28 +136,10 @@ def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len, budget=None) 
     return max(min(need, budget or need), one_row)
 
 
-# The CPU rule of default_backend. Where the engine runs alone in its process (a dedicated generator rank, or
-# bench/generate.py: both generators side by side, one run, 2 cores; tokens/s, after the torch generator stopped
-# decoding finished rows):
-#                                         vLLM    torch   vLLM / torch
-#   0.9M toy, 4 x 8 sampled x 40 tokens   5803     9732   0.60   vLLM's per-step engine overhead dominates a tiny model
-#   0.9M toy, 32 greedy x 256 tokens      4353     3669   1.19   long rows: paged attention beats the padded cache
-#   135M SmolLM2, 4 x 8 sampled x 40       246      198   1.25   at 135M vLLM's CPU kernels win at every length
-#   135M SmolLM2, 32 GSM8K greedy x 256    279      152   1.83
-# Colocated (the engine inside the trainer's process, CPU's one-process layout), a GRPO step of configs/smollm2_cpu.py
-# (135M, 8 x 8 sampled x 32 tokens, steps 1-3 of one run each): generation torch 7.3 / 8.6 / 8.2 s, vLLM 11.4 / 13.3 /
-# 14.1 s, and the update slower beside vLLM too (26.2 / 23.2 / 20.6 s vs 23.8 / 20.7 / 19.7 s): the engine's
-# pinned CPU threads and the oneDNN repack after each weight load cost more than its kernels gain. The 0.9M tiny
-# recipe points the same way (bench/step.py: generation 0.42 s with the colocated torch generator vs 0.76 s on a
-# vLLM rank). At 128 tokens it goes the other way (bench/vs_trl.py --workloads long, 2 GSM8K x 8 x 128 tokens,
-# colocated, 135M, medians of steps 3-8, three repeats a dtype on box C, AMD AVX-512 BF16): vLLM in process
-# generated in 0.79-0.95 of the torch generator's time in fp32 and 0.86-0.92 in bf16, so "auto" picked vLLM there
-# for >= 128 tokens in bf16. Then the torch generator held each prompt's keys once for its G rows and stacked its
-# q/k/v and gate/up matmuls (kvcache.py, machine.onednn_weights), and the order flipped: three repeats in bf16 on box
-# C, alternating which ran first, generation torch 7.04 / 6.96 / 7.03 s against vLLM 7.28 / 7.08 / 7.14, steps
-# 16.08 / 16.26 / 16.35 against 17.18 / 16.87 / 17.46 (0.94-0.96); in fp32 (one run, beside TRL) 8.97 against
-# 9.75 s. On box D (an Intel Xeon with AMX, 2026-12-05, one run each beside TRL): 9.11 against 10.64 s in fp32, 5.82
-# against 6.07 in bf16. So colocated on CPU "auto" is the torch generator at every size, length and dtype measured.
+# The rule of default_backend. Colocated on CPU: the torch generator (an engine in the trainer's
+# process costs it threads and a weight repack per update). On a dedicated CPU generator rank: vLLM
+# for models of >= 20M parameters or generations of > 128 tokens, else the torch generator. On a
+# GPU: vLLM. (docs/performance.md#the-backend-rule)
 VLLM_CPU_MIN_PARAMS = 20_000_000  # between the two measured sizes (0.9M torch faster, 135M vLLM faster)
 VLLM_CPU_MIN_TOKENS = 128         # between the two measured lengths at 0.9M (40: torch faster, 256: vLLM faster)
 
@@ -328,13 +310,8 @@ def reward_specs(entries, accuracy="math"):
         weight, field = kwargs.pop("weight", 1.0), f"rollout.rewards[{key!r}]"
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise config.ConfigError(f"{field}: the weight must be a number, got {weight!r}")
-        if key in rewards.BUILTIN:
-            specs.append((key, rewards.BUILTIN[key], kwargs, float(weight)))
-        elif ":" in key:
-            specs.append((key.rpartition(":")[2], run.load_object(key, field), kwargs, float(weight)))
-        else:
-            raise config.ConfigError(f"{field}: unknown reward{config._closest(key, rewards.BUILTIN)}; or name your "
-                                     "own as 'package.module:Name' or 'path/to/file.py:Name'")
+        fn = config.named(key, rewards.BUILTIN, field, "reward")
+        specs.append((key if key in rewards.BUILTIN else key.rpartition(":")[2], fn, kwargs, float(weight)))
     return specs
 
 

@@ -1,8 +1,7 @@
 """A training run's bookkeeping, shared by train_sft.py and train_grpo.py.
 
 The trainers own the algorithm; this file owns what every run does around it, the same way for both: the command
-line (`--help`, `--print-config`), loading a user's reward or loader named as "module:Name" / "file.py:Name"
-(checks.py fails a bad config with it before anything heavy starts), where the starting checkpoint comes from
+line (`--help`, `--print-config`), where the starting checkpoint comes from
 ("tiny:<dir>" is the only path that creates one) and its cheap sanity check, the optimizer and its learning-rate
 schedule, what a resume continues from (said out loud, so a resume can never silently train zero steps) and
 restoring it, the periodic checkpoint, the run's outputs (`RunLog`: config.json, `metrics.jsonl` with one JSON row
@@ -11,7 +10,6 @@ report a skipped step, abort after too many), and the process exit (a config err
 names the lost rank).
 """
 import dataclasses
-import importlib.util
 import inspect
 import json
 import math
@@ -72,31 +70,44 @@ def print_config(cfg, argv):
     return "--print-config" in argv
 
 
-def resolve_model(path):
-    """The checkpoint directory to load. "tiny:<dir>": the tiny random checkpoint, made once there (under a file
-    lock: every local rank calls this) if missing. A local directory as is. Anything else is a hub name, downloaded
-    (the only branch that needs network); if that fails, nothing was created and the error names the path. Either
-    way the directory is checked (check_checkpoint) before anything heavy is loaded."""
+def tiny_spec(path):
+    """"tiny:<dir>" -> (dir, 0); "tiny:<dir>@<seed>" -> (dir, seed): two tiny models (a student and a teacher)
+    differ by their seed, not only by their directory."""
+    spec = path.removeprefix("tiny:")
+    head, at, seed = spec.rpartition("@")
+    return (head, int(seed)) if at and seed.isdigit() else (spec, 0)
+
+
+def resolve_model(path, field="model.path"):
+    """The checkpoint directory to load. "tiny:<dir>[@seed]": the tiny random checkpoint, made once there (under a
+    file lock: every local rank calls this) if missing. A local directory as is. Anything else is a hub name,
+    downloaded (the only branch that needs network); if that fails, nothing was created and the error names the
+    path. Either way the directory is checked (check_checkpoint) before anything heavy is loaded. `field` is the
+    config field the path came from, named in every error."""
     if path.startswith("tiny:"):
         import fcntl
-        path = path.removeprefix("tiny:")
+        path, seed = tiny_spec(path)
+        stamp = Path(path, "nanoforge_tiny.json")
+        if stamp.exists() and json.loads(stamp.read_text()).get("seed", 0) != seed:
+            raise config.ConfigError(f"{field}=tiny:{path}@{seed}: {path} holds the tiny model of seed "
+                                     f"{json.loads(stamp.read_text()).get('seed', 0)}; name another directory")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(str(path) + ".lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
-            data.make_tiny_checkpoint(path, seed=0)
+            data.make_tiny_checkpoint(path, seed=seed)
     if not Path(path, "config.json").exists():
         from huggingface_hub import snapshot_download
         try:
             path = snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
         except Exception as e:
-            raise config.ConfigError(f"model.path={path!r}: no such local checkpoint, and the hub could not provide it "
+            raise config.ConfigError(f"{field}={path!r}: no such local checkpoint, and the hub could not provide it "
                                      f"({type(e).__name__}); a local path must hold config.json, and `tiny:{path}` "
                                      "would make a random tiny model there") from None
-    check_checkpoint(path)
+    check_checkpoint(path, field)
     return str(path)
 
 
-def check_checkpoint(path):
+def check_checkpoint(path, field="model.path"):
     """Cheap checks of a checkpoint directory, so a bad one fails in seconds, naming the file or field, instead of
     after an inference engine has started: config.json parses into a supported architecture, and the weights and
     the tokenizer are there."""
@@ -106,36 +117,11 @@ def check_checkpoint(path):
     try:
         ModelConfig.from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
     except (OSError, json.JSONDecodeError, ValueError) as e:
-        raise config.ConfigError(f"model.path: {e}") from None
+        raise config.ConfigError(f"{field}: {e}") from None
     if not (path / "model.safetensors").exists() and not (path / "model.safetensors.index.json").exists():
-        raise config.ConfigError(f"model.path: no model.safetensors (nor model.safetensors.index.json) in {path}")
+        raise config.ConfigError(f"{field}: no model.safetensors (nor model.safetensors.index.json) in {path}")
     if not (path / "tokenizer.json").exists():
-        raise config.ConfigError(f"model.path: missing tokenizer file {path / 'tokenizer.json'}")
-
-
-def load_object(spec, field):
-    """A callable named in the config: "package.module:Name" (importable) or "path/to/file.py:Name" (imported by its
-    file name, its directory put on sys.path, so a RewardPool worker can unpickle it). Else a ConfigError naming
-    the field: the module does not import, has no such name, or the name is not callable."""
-    module_name, _, attr = spec.rpartition(":")
-    try:
-        if module_name.endswith(".py"):
-            file = Path(module_name).resolve()
-            if not file.is_file():
-                raise FileNotFoundError(f"no such file: {module_name}")
-            if str(file.parent) not in sys.path:
-                sys.path.insert(0, str(file.parent))
-            module = importlib.import_module(file.stem)
-            if Path(module.__file__).resolve() != file:  # e.g. a user file named data.py: nanoforge's own module
-                raise ImportError(f"module name {file.stem!r} is taken by {module.__file__}; rename the file")
-        else:
-            module = importlib.import_module(module_name)
-        obj = getattr(module, attr)
-    except Exception as e:  # ImportError, FileNotFoundError, AttributeError, or whatever the module raised
-        raise config.ConfigError(f"{field}: cannot load {spec!r} ({type(e).__name__}: {e})") from None
-    if not callable(obj):
-        raise config.ConfigError(f"{field}: {spec!r} is a {type(obj).__name__}, not a callable or class")
-    return obj
+        raise config.ConfigError(f"{field}: missing tokenizer file {path / 'tokenizer.json'}")
 
 
 def load_split(d, source, split):
@@ -143,7 +129,7 @@ def load_split(d, source, split):
     counted and skipped: data.keep_good). A user's loader is called as loader(source, split)."""
     if d.name == "gsm8k":
         return data.load_gsm8k(source, split, d.max_bad_fraction)
-    loader = load_object(d.name, "data.name")
+    loader = config.load_object(d.name, "data.name")
     return data.keep_good(loader(source, split), data.check_record, d.max_bad_fraction, f"{d.name} {source} [{split}]")
 
 

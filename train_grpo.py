@@ -31,6 +31,7 @@ Launch lines:
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
     8 GPUs (6 train + 2 vLLM):     torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k.py
 """
+import inspect
 import math
 import os
 import sys
@@ -39,11 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (notes/vllm-cpu.md)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (docs/vllm-cpu.md)
 import torch
 
 import checkpoint
 import checks
+import config
 import data
 import dist
 import losses
@@ -112,10 +114,11 @@ class Rollout:
 
 @dataclass
 class Loss:
-    name: str = "grpo"              # a key of losses.LOSSES: grpo, dr_grpo, dapo, cispo, gspo, ...
+    name: str = "grpo"              # a key of losses.LOSSES (grpo, dr_grpo, dapo, cispo, gspo, ...) or "file.py:Class"
     kwargs: dict = field(default_factory=dict)  # passed to the loss class, e.g. {"beta": 0.0}
-    adv: str = "grpo"               # grpo | drgrpo | rloo | reinforce_pp
-    adv_eps: float = 1e-6           # std guard of the group z-score
+    adv: str = "grpo"               # advantage estimator: a key of losses.ADVANTAGES (grpo | dr_grpo | rloo |
+                                    # reinforce_pp) or "file.py:fn", fn(rewards, batch) -> (B, G) or (B*G, T)
+    adv_eps: float = 1e-6           # std guard of the z-score estimators (those that take `eps`)
     tis_cap: float = 0.0            # >0: truncated IS weight min(pi_train/pi_gen, cap) per token
     entropy_coef: float = 0.0       # entropy bonus (subtracted from the loss)
 
@@ -189,17 +192,19 @@ def parse_config(argv):
 # ---------------------------------------------------------------------------------------------
 # 2. Data, advantages, the update (prompts, generation, rewards and eval: rollout.py)
 # ---------------------------------------------------------------------------------------------
-def advantages(r, cfg, lengths):
-    """(B, G) rewards -> (B, G) advantages; DAPO overlong shaping is added to the reward first."""
+def advantages(r, batch, lengths, cfg):
+    """(B, G) rewards -> advantages (B*G, 1), one per sequence, or (B*G, T), one per token: whichever the
+    estimator `loss.adv` returns (losses.py: ADVANTAGES). DAPO's overlong shaping is added to the reward first."""
     if cfg.rollout.overlong_cache:
         r = r + losses.overlong_penalty(lengths, cfg.rollout.max_tokens, cfg.rollout.overlong_cache)
-    if cfg.loss.adv == "grpo":
-        return losses.group_advantages(r, eps=cfg.loss.adv_eps)
-    if cfg.loss.adv == "drgrpo":
-        return losses.drgrpo_advantages(r)
-    if cfg.loss.adv == "rloo":
-        return losses.rloo_advantages(r)
-    return losses.reinforce_pp_advantages(r)
+    estimator = config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
+    kw = {"eps": cfg.loss.adv_eps} if "eps" in inspect.signature(estimator).parameters else {}
+    adv = torch.as_tensor(estimator(r, batch, **kw), dtype=torch.float32).detach().cpu()
+    n, T = batch["mask"].shape
+    if adv.numel() not in (n, n * T):
+        raise ValueError(f"loss.adv={cfg.loss.adv!r} returned advantages of shape {tuple(adv.shape)}: expected "
+                         f"{tuple(r.shape)} (one per sequence) or ({n}, {T}) (one per token, batch['mask']'s)")
+    return adv.reshape(n, -1)
 
 
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
@@ -221,7 +226,7 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 mask = batch["mask"][rows].to(device)
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
-                mb_adv = adv[rows].to(device)[:, None].expand_as(logp)
+                mb_adv = adv[rows].to(device).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
                 tis = None
                 if cfg.loss.tis_cap > 0:  # truncated IS: trainer-vs-generator mismatch, detached, capped
                     base = logp.detach() if old_logp is None else old_logp[rows].to(device)
@@ -316,7 +321,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
                              activation_checkpointing=cfg.dist.activation_checkpointing, compile=cfg.dist.compile)
-    loss_fn = losses.LOSSES[cfg.loss.name](**checks.loss_kwargs(cfg))
+    loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(**checks.loss_kwargs(cfg))
     ref, kl_in_loss = None, getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
     if kl_in_loss or cfg.log.drift:
         ref = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
@@ -354,13 +359,12 @@ def main(argv=None):
         with run.timed(perf, "perf/reward_s"):
             r, correct, rstats = rollout.score(groups, problems, reward_fns, weights, cfg, pool)  # total, math
             lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
-        # 4d. advantages (B/dp, G); DAPO's filter zeroes the mask of groups without signal
-        adv = advantages(r, cfg, lengths)
+        # 4d. advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask of groups without signal
         batch = packing.make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})  # the model's inputs
+        adv = advantages(r, batch, lengths, cfg)
         if cfg.rollout.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
-        adv = adv.reshape(-1)  # (B/dp*G,)
         # 4e. reference and old logprobs (no grad), only when the loss needs them
         with run.timed(perf, "perf/ref_s"):
             ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None

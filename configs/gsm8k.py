@@ -8,7 +8,7 @@
 model.path = "Qwen/Qwen2.5-1.5B-Instruct"   # or a local directory with the same files
 model.dtype = "bfloat16"
 data.name = "gsm8k"
-data.source = "openai/gsm8k"                # or ../shared/data/gsm8k/train.jsonl
+data.source = "openai/gsm8k"                # or data/gsm8k/train.jsonl
 data.instruction = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 rollout.prompts_per_step = 48               # B: 48 / 6 data-parallel ranks = 8 prompts per trainer rank
 rollout.group_size = 8                      # G: 384 completions per step (192 per vLLM rank)

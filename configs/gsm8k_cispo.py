@@ -1,6 +1,6 @@
 # CISPO (MiniMax-M1, arXiv 2506.13585), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_cispo.py
-# Settings and sources: ../shared/specs/losses.md section 7.
+# Settings and sources: docs/losses-spec.md section 7.
 import os
 import sys
 

@@ -1,6 +1,7 @@
 # DAPO (arXiv 2503.14476), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_dapo.py
-# Settings and sources: ../shared/specs/losses.md section 6 (loss) and section 1 (dynamic sampling, overlong).
+# Settings and sources: docs/losses-spec.md section 6 (loss), section 1 (dynamic sampling,
+# overlong).
 import os
 import sys
 

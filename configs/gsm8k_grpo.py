@@ -1,6 +1,6 @@
 # GRPO as in DeepSeekMath (arXiv 2402.03300), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_grpo.py
-# Settings and sources: ../shared/specs/losses.md section 4 (GRPO) and section 1 (advantages).
+# Settings and sources: docs/losses-spec.md section 4 (GRPO) and section 1 (advantages).
 import os
 import sys
 

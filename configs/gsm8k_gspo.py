@@ -1,6 +1,6 @@
 # GSPO (Qwen, arXiv 2507.18071v2), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_gspo.py
-# Settings and sources: ../shared/specs/losses.md section 8.
+# Settings and sources: docs/losses-spec.md section 8.
 import os
 import sys
 

@@ -1,6 +1,6 @@
 # torchforge's REINFORCE (clamped, detached IS weight), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_reinforce.py
-# Settings and sources: ../shared/specs/losses.md section 3 (loss) and section 1 (RLOO advantages).
+# Settings and sources: docs/losses-spec.md section 3 (loss) and section 1 (RLOO advantages).
 import os
 import sys
 

@@ -1,6 +1,6 @@
 # SAPO (Qwen, arXiv 2511.20347), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_sapo.py
-# Settings and sources: ../shared/specs/losses.md section 9.
+# Settings and sources: docs/losses-spec.md section 9.
 import os
 import sys
 

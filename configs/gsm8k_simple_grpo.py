@@ -1,6 +1,6 @@
 # torchforge's SimpleGRPO (on-policy GRPO, no clip), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_simple_grpo.py
-# Settings and sources: ../shared/specs/losses.md section 2 (meta-pytorch/torchforge SimpleGRPOLoss).
+# Settings and sources: docs/losses-spec.md section 2 (meta-pytorch/torchforge SimpleGRPOLoss).
 import os
 import sys
 

@@ -10,7 +10,7 @@ import sys
 exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
 loss.name = "dr_grpo"
 loss.kwargs = {}
-loss.adv = "drgrpo"
+loss.adv = "dr_grpo"
 optim.lr = 0.0001
 optim.warmup_steps = 0             # the grid's constant lr from step 1 (compare.FIXED), not tiny.py's warm-up:
 optim.schedule = "constant"        # on the AVX2 path 1e-4 from step 1 dips first (docs/losses.md); to train

@@ -5,7 +5,7 @@
     python scripts/compare.py --losses=grpo,sapo_tau5 --lrs=1e-4 --seeds=0,1,2 --staleness=1
     python scripts/compare.py --grpo.rollout.prompts_per_step=16    (an override applied to every cell)
 
-A comparison at one learning rate measures the learning rate, not the loss (../shared/notes/loss-stability.md:
+A comparison at one learning rate measures the learning rate, not the loss (docs/losses.md, its last section:
 at 3e-4 with stale batches four of eight losses collapsed). So a cell is (loss, lr, staleness, seed) and the
 grid is every loss x LRS x STALENESS x SEEDS. Each cell is `python train_grpo.py configs/tiny.py` with that
 loss's KNOBS, `--optim.lr`, `--rollout.max_staleness` and `--train.seed`, run in this process (one process, the
@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import shutil
 import statistics
 import sys
@@ -61,17 +62,18 @@ QUICK = dict(lrs=LRS, staleness=(0,), seeds=(0,), steps=20)
 # name -> (losses.LOSSES key, its own settings). configs/tiny.py's loss.kwargs are GRPO's, so each row sets its own.
 KNOBS = {
     "grpo": ("grpo", ['--loss.kwargs={"beta": 0.0, "agg": "token_mean"}']),  # the demo's calibrated setting
-    "dr_grpo": ("dr_grpo", ["--loss.kwargs={}", "--loss.adv=drgrpo"]),        # no std division; C = max_tokens
+    "dr_grpo": ("dr_grpo", ["--loss.kwargs={}", "--loss.adv=dr_grpo"]),        # no std division; C = max_tokens
     "dapo": ("dapo", ["--loss.kwargs={}", "--rollout.filter_zero_std=true"]),  # clip 0.2/0.28, dynamic sampling
     "cispo": ("cispo", ["--loss.kwargs={}"]),                                 # clipped IS weight (cap 5) on lp
     "gspo": ("gspo", ["--loss.kwargs={}"]),                                   # sequence ratio, clip 3e-4 / 4e-4
     "sapo": ("sapo", ['--loss.kwargs={"tau_pos": 1.0, "tau_neg": 1.05}']),    # soft gate at the paper's tau
     "simple_grpo": ("simple_grpo", ['--loss.kwargs={"beta": 0.0}']),          # torchforge's, without its KL
     "reinforce": ("reinforce", ["--loss.kwargs={}"]),                         # token-mean, IS weight in [0.1, 10]
-    # not in the default grid: SAPO with a gate that closes (notes/loss-stability.md: tau ~ 1 barely gates)
+    # not in the default grid: SAPO with a gate that closes (tau ~ 1 barely gates: docs/losses.md)
     "sapo_tau5": ("sapo", ['--loss.kwargs={"tau_pos": 5.0, "tau_neg": 5.0}']),
 }
-DEFAULT = list(losses.LOSSES)
+DEFAULT = [name for name in KNOBS if name != "sapo_tau5"]  # the built-ins; --losses=my_loss runs a fork's too
+
 # the grid's optimizer, whatever configs/tiny.py's recipe says (docstring); --grpo.* overrides come after these
 FIXED = ["--optim.warmup_steps=0", "--optim.schedule=constant", "--rollout.overlong_cache=0"]
 
@@ -89,7 +91,7 @@ def start_checkpoint(out_dir):
 
 def cell_args(cell, start, runs_dir, eval_every, shared):
     """The train_grpo command line of one cell (the same line a configs/tiny_<loss>.py recipe reproduces)."""
-    loss, knobs = KNOBS[cell["loss"]]
+    loss, knobs = KNOBS.get(cell["loss"], (cell["loss"], ["--loss.kwargs={}"]))  # a fork's loss: its defaults
     return ["configs/tiny.py", f"--model.path={start}", f"--log.out_dir={runs_dir}", f"--log.run={cell['id']}",
             f"--train.seed={cell['seed']}", f"--train.steps={cell['steps']}", f"--optim.lr={cell['lr']}",
             f"--rollout.max_staleness={cell['staleness']}", f"--eval.every={eval_every}", "--log.plot_every_s=-1",
@@ -235,7 +237,8 @@ def main(argv=None):
     ap.add_argument("--out_dir", default="out", help="outputs go to <out_dir>/<name>/")
     ap.add_argument("--name", default="compare", help="a grid of its own: <out_dir>/<name>/ (e.g. longer runs)")
     ap.add_argument("--quick", action="store_true", help=f"the <= 10 minute grid: {QUICK}")
-    ap.add_argument("--losses", default=",".join(DEFAULT), help=f"comma-separated, of {list(KNOBS)}")
+    ap.add_argument("--losses", default=",".join(DEFAULT), help=f"comma-separated: {list(KNOBS)}, another "
+                    "losses.LOSSES key or 'file.py:Class' (run with its defaults)")
     ap.add_argument("--lrs", help=f"comma-separated (default {LRS}), or 'best': each loss's best on-policy lr in "
                     "<out_dir>/compare/results.json")
     ap.add_argument("--staleness", type=lambda t: tuple(int(x) for x in t.split(",")), help=f"default {STALENESS}")
@@ -252,9 +255,9 @@ def main(argv=None):
         lrs = {name: (best[name, 0],) for name in names}
     else:
         lrs = {name: floats(grid["lrs"]) if isinstance(grid["lrs"], str) else grid["lrs"] for name in names}
-    unknown = [n for n in names if n not in KNOBS]
+    unknown = [n for n in names if n not in KNOBS and n not in losses.LOSSES and ":" not in n]
     if unknown:
-        sys.exit(f"compare: unknown loss {unknown} (scripts/compare.py KNOBS has {list(KNOBS)})")
+        sys.exit(f"compare: unknown loss {unknown} (KNOBS has {list(KNOBS)}; losses.LOSSES {list(losses.LOSSES)})")
     out = Path(args.out_dir, args.name)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     start = start_checkpoint(args.out_dir)
@@ -264,11 +267,12 @@ def main(argv=None):
     done = {c["key"] for c in results["cells"]}
     todo = []
     for name in names:
+        safe = re.sub(r"\W", "_", name)  # a user's "file.py:Class" as a directory name
         for st in grid["staleness"]:
             for lr in lrs[name]:
                 for seed in grid["seeds"]:
                     cell = dict(loss=name, lr=lr, staleness=st, seed=seed, steps=grid["steps"])
-                    cell["id"] = f"{name}_lr{lr:g}_st{st}_s{seed}_n{grid['steps']}"
+                    cell["id"] = f"{safe}_lr{lr:g}_st{st}_s{seed}_n{grid['steps']}"
                     cell["key"] = " ".join([cell["id"], f"eval{args.eval_every}", *shared])
                     if cell["key"] not in done:
                         todo.append(cell)

@@ -70,7 +70,7 @@ def test_builtin_envs_follow_the_contract():
     assert g.step(str(g.target % 16 + 1)) == envs.Step([], done=True, reward=0.0)
 
 
-def test_env_config_names_the_closest_env_and_refuses_overlong_shaping(tiny_ckpt):
+def test_env_config_names_the_closest_env_and_drops_overlong_shaping(tiny_ckpt, capsys):
     base = ["configs/tiny.py", f"--model.path={tiny_ckpt}", "--rollout.overlong_cache=0"]
     cfg = train_grpo.parse_config([*base, "--rollout.env={'name': 'retry', 'attempts': 2}"])
     assert cfg.rollout.env == {"name": "retry", "attempts": 2}
@@ -80,10 +80,14 @@ def test_env_config_names_the_closest_env_and_refuses_overlong_shaping(tiny_ckpt
         checks.grpo(train_grpo.parse_config([*base, "--rollout.env=calculater"]), 1)
     with pytest.raises(ConfigError, match="cannot load 'nope.py:Env'"):
         checks.grpo(train_grpo.parse_config([*base, "--rollout.env=nope.py:Env"]), 1)
-    with pytest.raises(ConfigError, match="overlong shaping is single-turn"):
-        checks.grpo(train_grpo.parse_config(["configs/tiny.py", f"--model.path={tiny_ckpt}", "--rollout.env=guess"]), 1)
-    with pytest.raises(ConfigError, match="rollout.max_episode_tokens"):
-        checks.grpo(train_grpo.parse_config([*base, "--rollout.env=guess", "--rollout.max_episode_tokens=8"]), 1)
+    cfg = train_grpo.parse_config(["configs/tiny.py", f"--model.path={tiny_ckpt}", "--rollout.env=guess"])
+    assert cfg.rollout.overlong_cache == 16  # tiny.py's: single-turn only, so dropped with a note, not refused
+    checks.grpo(cfg, 1)
+    assert cfg.rollout.overlong_cache == 0 and "rollout.overlong_cache=16 dropped" in capsys.readouterr().err
+    cfg = train_grpo.parse_config([*base, "--rollout.env=guess", "--rollout.max_episode_tokens=8"])
+    checks.grpo(cfg, 1)  # a budget that cannot hold one reply is raised to max_turns replies, with a note
+    assert cfg.rollout.max_episode_tokens == cfg.rollout.max_turns * cfg.rollout.max_tokens
+    assert "rollout.max_episode_tokens=8 raised" in capsys.readouterr().err
     cfg = train_grpo.parse_config([*base, "--rollout.env=retry", "--data.instruction= Just the number."])
     assert episodes.make_env(cfg, {"question": "Q?", "target": "1"}).reset()[0]["content"] == "Q? Just the number."
     with pytest.raises(ConfigError, match=r"Guess\(problem, seed, \*\*\{'secret': 3\}\) failed"):

@@ -76,13 +76,25 @@ def test_model_path_typo_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tiny_models_differ_by_seed_and_one_directory_holds_one(tmp_path):
+    """A second `tiny:` model (a teacher beside the student) is another model: the seed is in the spec."""
+    from safetensors.torch import load_file
+    a, b = run.resolve_model(f"tiny:{tmp_path}/a"), run.resolve_model(f"tiny:{tmp_path}/b@1")
+    assert run.resolve_model(f"tiny:{tmp_path}/a@0") == a  # @0 is the default, made once
+    wa, wb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
+    assert wa.keys() == wb.keys()
+    assert not any(wa[k].equal(wb[k]) for k in wa if k.endswith("proj.weight"))
+    with pytest.raises(config.ConfigError, match=r"distill.teacher=tiny:.*/a@2: .* holds the tiny model of seed 0"):
+        run.resolve_model(f"tiny:{tmp_path}/a@2", field="distill.teacher")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data.name=gsm8k", "--data.source=missing.jsonl"], "data.source: no such file or directory: missing.jsonl"),
     (["--data.name=gsm8k", f"--data.source={GSM8K_DIR}", "--data.eval_source=nope/test.jsonl"],
      "data.eval_source: no such file or directory: nope/test.jsonl"),
-    (["--data.name=gsm9k"], "data.name='gsm9k' must be arith, code, gsm8k, or a loader"),
+    (["--data.name=gsm9k"], "data.name: unknown dataset 'gsm9k' (did you mean 'gsm8k'?)"),
     (["--data.name=no_such_module:load"], "data.name: cannot load 'no_such_module:load' (ModuleNotFoundError"),
-    (["--rollout.rewards={'mth': 1.0}"], "rollout.rewards['mth']: unknown reward (did you mean 'math'?)"),
+    (["--rollout.rewards={'mth': 1.0}"], "rollout.rewards['mth']: unknown reward 'mth' (did you mean 'math'?)"),
     (["--rollout.rewards={'json:dumps': 'x'}"], "rollout.rewards['json:dumps']: the weight must be a number"),
     (["--rollout.rewards={'os:sep': 1.0}"], "rollout.rewards['os:sep']: 'os:sep' is a str, not a callable"),
     (["--rollout.rewards={'missing.py:R': 1.0}"], "cannot load 'missing.py:R' (FileNotFoundError"),
@@ -102,16 +114,6 @@ def test_reward_kwargs_are_checked_when_instantiated(tmp_path):
                   f"--log.out_dir={tmp_path}", "--rollout.rewards={'think': {'weight': 1.0, 'tagg': 'x'}}", timeout=60)
     assert res.returncode != 0 and "rollout.rewards: think({'tagg': 'x'}) failed" in res.stderr, res.stderr[-2000:]
     assert not (tmp_path / "tiny").exists()  # no run directory
-
-
-def test_load_object_names_what_failed(tmp_path):
-    (tmp_path / "data.py").write_text("def load(source, split):\n    return []\n")  # shadows nanoforge's data
-    with pytest.raises(config.ConfigError, match="module name 'data' is taken by"):
-        run.load_object(f"{tmp_path}/data.py:load", "data.name")
-    (tmp_path / "broken_rewards.py").write_text("import no_such_package\n")
-    with pytest.raises(config.ConfigError, match=r"rollout.rewards\['x'\]: cannot load .*ModuleNotFoundError"):
-        run.load_object(f"{tmp_path}/broken_rewards.py:R", "rollout.rewards['x']")
-    assert run.load_object("json:dumps", "f") is json.dumps
 
 
 def test_logging_extra_missing_is_a_config_error_mock_missing_package(monkeypatch):
