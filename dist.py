@@ -268,6 +268,11 @@ def fault(point: str, step: int) -> bool:
     return True
 
 
+def fault_nan(loss, step):
+    """Test hook: the loss times NaN when nan@step is listed in $NANOFORGE_FAULT (what a bad batch does)."""
+    return loss * float("nan") if fault("nan", step) else loss
+
+
 def explain_failure(e: BaseException, wait_s: float = 3.0) -> str | None:
     """For an exception out of a collective (gloo/NCCL): which ranks are lost? The survivors check in at the
     rendezvous store (it lives in torchrun's agent, so it outlives a dead worker), wait `wait_s`, and name the ranks

@@ -208,60 +208,62 @@ def advantages(r, batch, lengths, cfg):
 
 
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
-    """ppo_epochs x minibatches optimizer steps on this rank's batch; returns summed metrics."""
-    n, tokens = len(batch["ids"]), {}  # computed and real tokens, FLOPs: summed over this update's forwards
-    mb_size = math.ceil(n / cfg.train.minibatches)
-    sums, num_opt, skipped, first_logp = {}, 0, 0, torch.zeros_like(batch["gen_logp"])
+    """ppo_epochs x minibatches optimizer steps on this rank's batch: micro-batches -> loss -> backward -> clip ->
+    step. Returns the update's mean metrics, the number of skipped (non-finite) steps, and each row's logp from
+    epoch 0 (the policy before any step when there is one minibatch)."""
+    n, tr = len(batch["ids"]), cfg.train
+    mb_size, sums, tokens, num_opt, skipped = math.ceil(n / tr.minibatches), {}, {}, 0, 0
+    first_logp = torch.zeros_like(batch["gen_logp"])
     # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
-    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + step)
-    poison = dist.fault("nan", step)  # test hook: this step's loss is NaN (tests/test_faults.py)
-    for epoch in range(cfg.train.ppo_epochs):
-        perm = torch.randperm(n, generator=gen) if cfg.train.minibatches > 1 else torch.arange(n)
-        for mb_start in range(0, n, mb_size):
-            mb_rows = perm[mb_start:mb_start + mb_size]
-            for mc_start in range(0, len(mb_rows), cfg.train.micro_batch):
-                rows = mb_rows[mc_start:mc_start + cfg.train.micro_batch]
+    rng = torch.Generator().manual_seed(tr.seed * 1_000_003 + step)
+    for epoch in range(tr.ppo_epochs):
+        perm = torch.randperm(n, generator=rng) if tr.minibatches > 1 else torch.arange(n)
+        for mb_rows in perm.split(mb_size):
+            for rows in mb_rows.split(tr.micro_batch):
+                at = lambda x: None if x is None else x[rows].to(device)  # noqa: E731 -- these rows, on device
                 logp, ent = packing.response_logp(model, batch, rows, cfg.rollout.temperature, entropy=True,
-                                                  stats=tokens)
-                mask = batch["mask"][rows].to(device)
+                                                  stats=tokens)  # tokens: computed, real, FLOPs
+                mask = at(batch["mask"])
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
-                mb_adv = adv[rows].to(device).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
-                tis = None
-                if cfg.loss.tis_cap > 0:  # truncated IS: trainer-vs-generator mismatch, detached, capped
-                    base = logp.detach() if old_logp is None else old_logp[rows].to(device)
-                    tis = losses.tis_weights(base, batch["gen_logp"][rows].to(device), mask, cfg.loss.tis_cap)
-                    mb_adv = mb_adv * tis
-                loss, m = loss_fn(logp, None if ref_logp is None else ref_logp[rows].to(device), mb_adv, mask,
-                                  old_logprobs=None if old_logp is None else old_logp[rows].to(device))
-                if poison:
-                    loss = loss * float("nan")
+                mb_adv = at(adv).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
+                mb_adv, tis_m = truncated_is(mb_adv, logp, at(old_logp), at(batch["gen_logp"]), mask, cfg.loss.tis_cap)
+                loss, m = loss_fn(logp, at(ref_logp), mb_adv, mask, old_logprobs=at(old_logp))
+                loss = dist.fault_nan(loss, step)  # test hook: this step's loss is NaN (tests/test_faults.py)
                 m["loss/entropy"] = losses.masked_mean(ent.detach(), mask)
-                if tis is not None:  # how often the cap engages, and the mean weight it leaves
-                    m["loss/tis_capped_frac"] = losses.masked_mean((tis >= cfg.loss.tis_cap * (1 - 1e-6)).float(), mask)
-                    m["loss/tis_weight_mean"] = losses.masked_mean(tis, mask)
+                m.update(tis_m)
                 if cfg.loss.entropy_coef:
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
                 (loss * len(rows) / len(mb_rows)).backward()
                 m["loss/total"] = loss.detach()
-                for k, v in m.items():  # tensors: no host sync per micro-batch (one .item() per step, below)
-                    sums[k] = sums.get(k, 0.0) + v.detach() * (len(rows) / n)
+                accumulate(sums, m, len(rows) / n)
             gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
             dist.fault("kill_opt", step)  # test hook: SIGKILL with gradients computed, before the step
-            # a NaN/inf loss gives NaN/inf grads, and the norm is global, so every rank skips the same steps
-            if torch.isfinite(gnorm):
-                opt.step()
-            else:  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
-                skipped += 1
-            opt.zero_grad(set_to_none=True)
-            sums["train/grad_norm"] = sums.get("train/grad_norm", 0.0) + gnorm.detach()
+            skipped += run.step_if_finite(opt, gnorm)
+            accumulate(sums, {"train/grad_norm": gnorm}, 1.0)
             num_opt += 1
     sched.step()
-    sums = {k: float(v) / cfg.train.ppo_epochs for k, v in sums.items()}
-    sums["train/grad_norm"] *= cfg.train.ppo_epochs / num_opt
+    sums = {k: float(v) / tr.ppo_epochs for k, v in sums.items()}
+    sums["train/grad_norm"] *= tr.ppo_epochs / num_opt
     sums["perf/update_gflop"] = 3 * tokens["flops"] / 1e9  # forwards + backwards (packing.forward_flops)
     sums["perf/pad_frac"] = tokens["tokens"] / max(tokens["real_tokens"], 1)  # computed / real (packing.py)
     return sums, skipped, first_logp
+
+
+def truncated_is(adv, logp, old_logp, gen_logp, mask, cap):
+    """loss.tis_cap > 0: advantages weighted by min(pi_old / pi_gen, cap) per token, detached (losses.tis_weights:
+    the trainer-vs-generator mismatch), and how often the cap engages. pi_old is sg(logp) when on-policy."""
+    if cap <= 0:
+        return adv, {}
+    w = losses.tis_weights(logp.detach() if old_logp is None else old_logp, gen_logp, mask, cap)
+    return adv * w, {"loss/tis_capped_frac": losses.masked_mean((w >= cap * (1 - 1e-6)).float(), mask),
+                     "loss/tis_weight_mean": losses.masked_mean(w, mask)}
+
+
+def accumulate(sums, m, w):
+    """sums[k] += w * m[k], kept as tensors: no host sync per micro-batch (one float() per metric a step)."""
+    for k, v in m.items():
+        sums[k] = sums.get(k, 0.0) + v.detach() * w
 
 
 def drift(model, batch, logp, start_logp, cfg):
@@ -296,7 +298,7 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
-    B, G, T = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
+    B, G, temp = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
 
     # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
     tok = data.Tokenizer(path)
@@ -317,16 +319,10 @@ def main(argv=None):
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
-    from model import Transformer
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
-                             activation_checkpointing=cfg.dist.activation_checkpointing, compile=cfg.dist.compile)
+    model = run.load_model(path, roles.device, mesh, cfg)
     loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(**checks.loss_kwargs(cfg))
-    ref, kl_in_loss = None, getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
-    if kl_in_loss or cfg.log.drift:
-        ref = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
-                               compile=cfg.dist.compile)
-        ref.requires_grad_(False)
+    kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
+    ref = run.load_model(path, roles.device, mesh, cfg, frozen=True) if kl_in_loss or cfg.log.drift else None
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
     receive = (lambda v: lambda named: gen.update_weights(named, v)) if gen is not None else (lambda v: None)
     # a resume restores model, optimizer, schedule, counters; data order and sampling seeds derive from the step
@@ -367,13 +363,13 @@ def main(argv=None):
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         # 4e. reference and old logprobs (no grad), only when the loss needs them
         with run.timed(perf, "perf/ref_s"):
-            ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, T) if ref is not None else None
+            ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp) if ref is not None else None
         with run.timed(perf, "perf/old_s"):
             old_logp = None  # on-policy single update: old = sg(logp) inside the loss
             if cfg.rollout.max_staleness:
                 old_logp = batch["gen_logp"]  # the policy that actually sampled (weights one version old)
             elif cfg.train.ppo_epochs * cfg.train.minibatches > 1:
-                old_logp = packing.no_grad_logp(model, batch, cfg.train.micro_batch, T)
+                old_logp = packing.no_grad_logp(model, batch, cfg.train.micro_batch, temp)
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with run.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)

@@ -241,16 +241,14 @@ def main(argv=None):
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
 
     # ---- 3. model and optimizer ------------------------------------------------------------------
-    from model import Transformer
-    dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    model = dist.shard_model(Transformer.from_pretrained(path, device=roles.device), mesh, param_dtype=dtype,
-                             activation_checkpointing=cfg.dist.activation_checkpointing, compile=cfg.dist.compile)
+    model = run.load_model(path, roles.device, mesh, cfg)
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
     # a resume restores model, optimizer, schedule, counters; the data order derives from the step
     skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
     # NOTE: dtype is the KV cache's; TorchGenerator currently takes it from the (fp32, sharded) params instead
     gen = generator.TorchGenerator(model, max_model_len=max(len(p["prompt_ids"]) for p in held_out)
-                                   + cfg.eval.max_tokens, dtype=dtype or torch.float32, tokenizer_path=path)
+                                   + cfg.eval.max_tokens, dtype=getattr(torch, cfg.model.dtype),
+                                   tokenizer_path=path)
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     dp_group = mesh["dp_shard"].get_group()
     log = run.RunLog(cfg, out, start, roles.rank == 0, SHOWN)
@@ -275,16 +273,12 @@ def main(argv=None):
         loss_sum = 0.0
         for i in range(0, num_rows, cfg.train.micro_batch):
             nll = nll_sum(model, batch, slice(i, i + cfg.train.micro_batch), roles.device)
-            if dist.fault("nan", s):  # test hook: this step's loss is NaN (tests/test_faults.py)
-                nll = nll * float("nan")
+            nll = dist.fault_nan(nll, s)  # test hook: this step's loss is NaN (tests/test_faults.py)
             (nll * dp / max(num_tokens, 1.0)).backward()  # * dp: FSDP2 averages gradients over dp ranks
             loss_sum += float(nll.detach())
         gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
         dist.fault("kill_opt", s)  # test hook: SIGKILL with gradients computed, before the step
-        skipped = not torch.isfinite(gnorm)
-        if not skipped:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        skipped = run.step_if_finite(opt, gnorm)
         sched.step()
         skipped_total += skipped  # a non-finite step is skipped, counted, and logged; see max_skipped_steps
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4d
