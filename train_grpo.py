@@ -364,18 +364,20 @@ def main(argv=None):
         # 4e. reference and old logprobs (no grad), only when the loss needs them
         with run.timed(perf, "perf/ref_s"):
             ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp) if ref is not None else None
-        with run.timed(perf, "perf/old_s"):
-            old_logp = None  # on-policy single update: old = sg(logp) inside the loss
-            if cfg.rollout.max_staleness:
-                old_logp = batch["gen_logp"]  # the policy that actually sampled (weights one version old)
-            elif cfg.train.ppo_epochs * cfg.train.minibatches > 1:
-                old_logp = packing.no_grad_logp(model, batch, cfg.train.micro_batch, temp)
+        with run.timed(perf, "perf/old_s"):  # pi_old: the sampler's logprobs when stale; on-policy with one
+            # optimizer step, sg(logp) inside the loss; with several, the policy before them, scored once. With
+            # minibatches > 1 it is scored even when stale: mismatch and drift measure against it (4h)
+            stale, tr = cfg.rollout.max_staleness > 0, cfg.train
+            pre_logp = packing.no_grad_logp(model, batch, tr.micro_batch, temp) \
+                if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None
+            old_logp = batch["gen_logp"] if stale else pre_logp
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with run.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)
                 gen.sleep(keep_weights=not rollout.sync_due(s, cfg))  # new weights follow: no need to keep the old
-            m, skipped, train_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp if kl_in_loss else None,
+            m, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp if kl_in_loss else None,
                                             old_logp, cfg, roles.device, s)
+        train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # the policy before any step of this update
         perf["perf/update_gflops"] = m["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         m.update(drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
         skipped_total += skipped

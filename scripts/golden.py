@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--rollout.prompts_per_step=8", "--rollout.group_size=4", "--rollout.max_tokens=24",
          "--eval.every=2", "--eval.num_problems=16", "--train.steps=3", "--log.plot_every_s=-1",
+         "--optim.lr=3e-3", "--optim.warmup_steps=0",
          "--rollout.kv_cache_mb=32", "--dist.timeout_s=180"]
 RUNS = {  # name -> (launcher processes (0: plain python), trainer, arguments)
     "torch": (0, "train_grpo.py", ["--rollout.backend=torch"]),
@@ -34,6 +35,9 @@ RUNS = {  # name -> (launcher processes (0: plain python), trainer, arguments)
     "sft": (0, "train_sft.py", ["--train.steps=4", "--eval.every=2", "--eval.num_problems=16",
                                 "--log.plot_every_s=-1"]),
 }
+# A random tiny model never answers right, so the math reward alone is 0 and the update does nothing: a reward
+# with signal in every group (the share of digits in a reply) makes each run's update, KL and drift move.
+REWARD = 'def digits(prompt, response, target):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n'
 WALL = ("perf/", "time/")  # wall-clock metrics: they move between any two runs
 WALL_KEYS = {"sync/seconds", "sync/gbps", "ckpt/save_s"}
 
@@ -42,7 +46,8 @@ def run_one(name, init, out):
     nproc, script, args = RUNS[name]
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc \
         else [sys.executable]
-    config = ["configs/sft_tiny.py"] if script == "train_sft.py" else ["configs/tiny.py", *SMALL]
+    reward = f"--rollout.rewards={{'math': 1.0, '{out.parent / 'reward.py'}:digits': 1.0}}"
+    config = ["configs/sft_tiny.py"] if script == "train_sft.py" else ["configs/tiny.py", *SMALL, reward]
     cmd = [*launcher, script, *config, f"--model.path={init}", f"--log.out_dir={out}", f"--log.run={name}", *args]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if res.returncode:
@@ -61,6 +66,7 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     sys.path.insert(0, str(ROOT))
     import data
+    (out.parent / "reward.py").write_text(REWARD)
     init = out.parent / "init"
     if not (init / "config.json").exists():
         data.make_tiny_checkpoint(str(init), seed=0)
