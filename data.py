@@ -32,6 +32,8 @@ import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+import config
+import seeds
 import tasks
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,11 +273,40 @@ def load_gsm8k(source: str = "openai/gsm8k", split: str = "train", max_bad_fract
     return keep_good(rows, parse_gsm8k_row, max_bad_fraction, f"gsm8k {source} [{split}]")
 
 
-def step_batch(rows, step, batch, seed):
-    """Step s's rows from (seed, s) alone, epoch e a fixed permutation: same on every rank, exact on resume."""
+def load_split(d, source, split):
+    """[{question, solution, target}] of one split of a non-synthetic dataset (every row checked, malformed ones
+    counted and skipped: keep_good). A user's loader is called as loader(source, split)."""
+    if d.name == "gsm8k":
+        return load_gsm8k(source, split, d.max_bad_fraction)
+    loader = config.load_object(d.name, "data.name")
+    return keep_good(loader(source, split), check_record, d.max_bad_fraction, f"{d.name} {source} [{split}]")
+
+
+SYNTHETIC_TRAIN = {"arith": 20_000, "code": 1000}  # a synthetic task's train set, when it is a fixed set
+
+
+def problems(d, split, seed, n=None, digits=None):
+    """The one task loader of both trainers: split "train", "dev" (SFT's stopping rule) or "test" (the held-out
+    eval) for the data section d. A synthetic task draws n problems of that split (tasks.split_of; train:
+    SYNTHETIC_TRAIN's) from the stream (seed, split), operands of `digits` = (lo, hi) or d's digits; a dataset
+    reads its train file, or the first n rows of its test file (data.eval_source when set) for dev and test."""
+    if d.name in SYNTHETIC_TRAIN:
+        n, s = n or SYNTHETIC_TRAIN[d.name], seeds.seed(seed, "problems", split)
+        if d.name == "code":
+            return tasks.make_code(n, s, split=split)
+        lo, hi = digits or (d.min_digits, d.max_digits)
+        return tasks.make_arith(n, s, min_digits=lo, max_digits=hi, split=split)
+    if split == "train":
+        return load_split(d, d.source, "train")
+    return load_split(d, d.eval_source or d.source, "test")[:n]
+
+
+def step_batch(rows, step, batch, seed, stream="order"):
+    """Step s's rows from (seed, s) alone, epoch e a fixed permutation: same on every rank, exact on resume.
+    `stream` names the permutation (DAPO's refill rounds draw from streams of their own)."""
     epoch, pos = divmod(step, len(rows) // batch)
     order = list(range(len(rows)))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    random.Random(seeds.seed(seed, stream, epoch)).shuffle(order)
     return [rows[i] for i in order[pos * batch:(pos + 1) * batch]]
 
 
@@ -326,6 +357,7 @@ def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_
     vocab_size: None = the tokenizer's, rounded up to 64; larger gives a real model's shape (bench/gpu.py), and the
     ids the tokenizer does not know decode to nothing."""
     settings = {k: v for k, v in locals().items() if k != "path" and not (k == "vocab_size" and v is None)}
+    settings["init"] = "seeds.seed(seed, 'tiny_init')"  # how the seed becomes weights: a directory made before differs
     path = Path(path)
     stamp = path / "nanoforge_tiny.json"  # written last, so a half-written directory is redone
     if stamp.exists() and json.loads(stamp.read_text()) == settings:
@@ -341,7 +373,7 @@ def make_tiny_checkpoint(path, seed=0, model_type="qwen2", hidden_size=128, num_
                           max_position_embeddings=2048, tie_word_embeddings=tie_word_embeddings,
                           attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3")
         model = Transformer(cfg)
-        g = torch.Generator().manual_seed(seed)
+        g = torch.Generator().manual_seed(seeds.seed(seed, "tiny_init"))
         with torch.no_grad():  # our own init, in name order, so the weights depend on the seed alone
             for name, p in sorted(model.named_parameters()):
                 if name.endswith("norm.weight"):

@@ -2,33 +2,40 @@
 
 Contract (text in, text out; an env never sees a token id):
 
-    env = MyEnv(problem, seed, **kwargs)   # problem: "question" (+ data.instruction), "target"; one per episode
-    env.reset() -> list[message]           # the opening conversation: a pure function of (problem, seed)
+    env = MyEnv(problem, seed, **kwargs)   # problem: "question" (+ data.instruction), "target"; one
+                                             per episode
+    env.reset() -> list[message]           # the opening conversation: a pure function of (problem,
+                                             seed)
     env.step(assistant_text) -> Step(messages, done, reward=None, info={})
 
-A message is {"role": "user" | "tool" | "system", "content": str}; the env's replies are never "assistant" (the
-opening conversation may hold worked examples as assistant turns: they are prompt, never trained on).
-`step` receives the text of each sampled reply (special tokens stripped) and answers with the next messages, or
-done. An episode's scalar is `Step.reward` when the env gives one, plus `rollout.rewards` on the last reply
-(`math` scores it against `problem["target"]`, or against `env.target` where an env sets one: guess's secret).
+A message is {"role": "user" | "tool" | "system", "content": str}; the env's replies are never
+"assistant" (the opening conversation may hold worked examples as assistant turns: they are prompt,
+never trained on). `step` receives the text of each sampled reply (special tokens stripped) and
+answers with the next messages, or done. An episode's scalar is `Step.reward` when the env gives
+one, plus `rollout.rewards` on the last reply (`math` scores it against `problem["target"]`, or
+against `env.target` where an env sets one: guess's secret).
 
-Chosen in the config: `rollout.env = "calculator"`, `{"name": "retry", "attempts": 2}`, or "my_env.py:MyEnv"
-(any class with this contract). The G samples of a problem get envs built from the same (problem, seed), so they
-face the same secret. Token ids, the trainable mask, logprobs and every limit (turns, episode length, reply size,
-time per step, an env that raises) are the rollout's business (episodes.py), not the env's.
+Chosen in the config: `rollout.env = "calculator"`, `{"name": "retry", "attempts": 2}`, or
+"my_env.py:MyEnv" (any class with this contract). The G samples of a problem get envs built from the
+same (problem, seed), so they face the same secret. Token ids, the trainable mask, logprobs and
+every limit (turns, episode length, reply size, time per step, an env that raises) are the rollout's
+business (episodes.py), not the env's.
 
 Built-ins, each a few lines of what it teaches:
-- `Calculator`: a tool call. The system prompt shows `<calc>23*47</calc>` once and the opening conversation holds
-  one worked episode (CALC_EXAMPLE); the env answers `<result>1081</result>`, computed by `arith`, a whitelisted
-  `ast` evaluator (never eval). A reply without a call is the final answer.
-- `Retry`: learning from feedback. A wrong answer gets "Wrong, try again." up to `attempts` tries; a right one
-  earns `discount ** (attempt - 1)`.
-- `Guess`: a game with state. Guess the number in [low, high] from higher/lower hints; a win on guess g earns
-  1 - cost * (g - 1). Random guessing already wins some, so there is signal from the first step.
-- `Python`: code as a tool. `<python>print(23*47)</python>` runs in the sandbox (sandbox.py: its own process,
-  user, network and filesystem view, killed at its limit) and `<output>1081</output>` comes back, truncated.
-Left out: tool schemas in the chat template (SmolLM2's ignores `tools`; the prompt teaches the call), several
-tools per env, async envs.
+- `Calculator`: a tool call. The system prompt shows `<calc>23*47</calc>` once and the opening
+  conversation holds one worked episode (CALC_EXAMPLE); the env answers `<result>1081</result>`,
+  computed by `arith`, a whitelisted `ast` evaluator (never eval). A reply without a call is the
+  final answer.
+- `Retry`: learning from feedback. A wrong answer gets "Wrong, try again." up to `attempts` tries; a
+  right one earns `discount ** (attempt - 1)`.
+- `Guess`: a game with state. Guess the number in [low, high] from higher/lower hints; a win on
+  guess g earns 1 - cost * (g - 1). Random guessing already wins some, so there is signal from the
+  first step.
+- `Python`: code as a tool. `<python>print(23*47)</python>` runs in the sandbox (sandbox.py: its own
+  process, user, network and filesystem view, killed at its limit) and `<output>1081</output>` comes
+  back, truncated.
+Left out: tool schemas in the chat template (SmolLM2's ignores `tools`; the prompt teaches the
+call), several tools per env, async envs.
 """
 import ast
 import operator
@@ -36,24 +43,29 @@ import random
 import re
 from dataclasses import dataclass, field
 
+import seeds
+
 
 @dataclass
 class Step:
     messages: list          # the env's reply: [{"role": "user", "content": ...}], empty when done
     done: bool
-    reward: float | None = None  # the episode's env reward, read when done (None: only rollout.rewards score it)
+    reward: float | None = None  # the episode's env reward, read when done (None: only
+    #                              rollout.rewards score it)
     info: dict = field(default_factory=dict)  # {"tool_call": True} is counted in episode/tool_calls
 
 
-# ---- a calculator that only does arithmetic ------------------------------------------------------------------
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+# ---- a calculator that only does arithmetic ------------------------------------------------------
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+       ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+       ast.Pow: operator.pow}
 MAX_ABS = 10 ** 15  # every intermediate value; 9**9**9 is refused before it is computed
 
 
 def arith(expr: str, max_chars: int = 100):
-    """The value of an arithmetic expression: numbers, + - * / // % **, parentheses. Anything else (names,
-    attributes, calls, strings, huge powers or values) raises ValueError with a message the model can read."""
+    """The value of an arithmetic expression: numbers, + - * / // % **, parentheses. Anything else
+    (names, attributes, calls, strings, huge powers or values) raises ValueError with a message the
+    model can read."""
     expr = expr.replace("×", "*").replace("÷", "/").replace("^", "**").replace(",", "").strip()
     if not expr or len(expr) > max_chars:
         raise ValueError(f"expression must be 1 to {max_chars} characters")
@@ -87,22 +99,24 @@ def arith(expr: str, max_chars: int = 100):
     return int(v) if float(v).is_integer() else round(v, 6)
 
 
-CALC_PROMPT = ("You can use a calculator. Write <calc>expression</calc> and you get <result>value</result>, "
-               "for example <calc>23*47</calc> gives <result>1081</result>. When you know the answer, reply "
-               "with the number only.")
+CALC_PROMPT = ("You can use a calculator. Write <calc>expression</calc> and you get "
+               "<result>value</result>, for example <calc>23*47</calc> gives "
+               "<result>1081</result>. When you know the answer, reply with the number only.")
 
 
-# One worked episode in the opening conversation: told about the tool in the system prompt alone, SmolLM2-135M made
-# no call in 256 samples of 2-digit problems; shown this once, 77% of its greedy replies call it (23% at T=1).
-CALC_EXAMPLE = [{"role": "user", "content": "Mia has 38 shells. She finds 45 more. How many shells now?"},
+# One worked episode in the opening conversation: told about the tool in the system prompt alone,
+# SmolLM2-135M made no call in 256 samples of 2-digit problems; shown this once, 77% of its greedy
+# replies call it (23% at T=1).
+CALC_EXAMPLE = [{"role": "user",
+                 "content": "Mia has 38 shells. She finds 45 more. How many shells now?"},
                 {"role": "assistant", "content": "<calc>38+45</calc>"},
                 {"role": "user", "content": "<result>83</result>"},
                 {"role": "assistant", "content": "83"}]
 
 
 class Calculator:
-    """One tool: <calc>expr</calc> -> <result>value</result> (or <error>why</error>); no call = the final answer.
-    `example`: open with CALC_EXAMPLE, a worked episode (prompt, never trained on)."""
+    """One tool: <calc>expr</calc> -> <result>value</result> (or <error>why</error>); no call = the
+    final answer. `example`: open with CALC_EXAMPLE, a worked episode (prompt, never trained on)."""
 
     def __init__(self, problem, seed=0, prompt=CALC_PROMPT, example=True):
         self.problem, self.prompt, self.example = problem, prompt, example
@@ -117,14 +131,15 @@ class Calculator:
             return Step([], done=True)
         try:
             reply = f"<result>{arith(call[1])}</result>"
-        except ValueError as e:  # refused input is an answer to the model, never an exception out of the env
+        except ValueError as e:
+            # refused input is an answer to the model, never an exception out of the env
             reply = f"<error>{e}</error>"
         return Step([{"role": "user", "content": reply}], done=False, info={"tool_call": True})
 
 
 class Retry:
-    """A wrong final answer gets "Wrong, try again." until `attempts` tries are spent; the right one on try k
-    earns discount ** (k - 1), and the last wrong one 0."""
+    """A wrong final answer gets "Wrong, try again." until `attempts` tries are spent; the right one
+    on try k earns discount ** (k - 1), and the last wrong one 0."""
 
     def __init__(self, problem, seed=0, attempts=3, discount=0.5):
         import rewards  # the same answer check as the math reward
@@ -144,16 +159,19 @@ class Retry:
 
 
 class Guess:
-    """Guess the secret in [low, high] with higher/lower hints, at most `guesses` tries; the secret is drawn
-    from (seed, question), so the G siblings of a problem share it."""
+    """Guess the secret in [low, high] with higher/lower hints, at most `guesses` tries; the secret
+    is drawn from (seed, question), so the G siblings of a problem share it."""
 
     def __init__(self, problem, seed=0, low=1, high=16, guesses=5, cost=0.15):
         self.low, self.high, self.guesses, self.cost, self.tries = low, high, guesses, cost, 0
-        self.target = random.Random(f"{seed}:{problem['question']}").randint(low, high)  # a str seed is stable
+        self.target = (random.Random(seeds.seed(seed, "guess", problem["question"]))
+                       .randint(low, high))
 
     def reset(self):
-        return [{"role": "system", "content": "You are playing a guessing game. Reply with one number only."},
-                {"role": "user", "content": f"I am thinking of a number from {self.low} to {self.high}. Guess it."}]
+        return [{"role": "system",
+                 "content": "You are playing a guessing game. Reply with one number only."},
+                {"role": "user",
+                 "content": f"I am thinking of a number from {self.low} to {self.high}. Guess it."}]
 
     def step(self, text):
         self.tries += 1
@@ -167,33 +185,39 @@ class Guess:
         return Step([{"role": "user", "content": hint}], done=False)
 
 
-PY_PROMPT = ("You can run Python. Write <python>code</python> and you get <output>what it printed</output>. "
-             "When you are done, reply without a <python> call.")
+PY_PROMPT = ("You can run Python. Write <python>code</python> and you get "
+             "<output>what it printed</output>. When you are done, reply without a <python> call.")
 
 
 class Python:
-    """A Python interpreter as a tool: the code between <python> tags runs in the sandbox (sandbox.py, never in
-    this process) and its stdout and stderr come back cut to `max_chars`; a reply without a call is the final
-    answer. `tag=""` runs every reply (raw-code policies; ends by max_turns). Keep rollout.env_timeout_s above
-    `timeout_s` plus the sandbox's ~0.1 s start."""
+    """A Python interpreter as a tool: the code between <python> tags runs in the sandbox
+    (sandbox.py, never in this process) and its stdout and stderr come back cut to `max_chars`; a
+    reply without a call is the final answer. `tag=""` runs every reply (raw-code policies; ends by
+    max_turns). Keep rollout.env_timeout_s above `timeout_s` plus the sandbox's ~0.1 s start."""
 
-    def __init__(self, problem, seed=0, timeout_s=1.0, memory_mb=256, max_chars=400, tag="python", prompt=PY_PROMPT):
-        self.problem, self.timeout_s, self.memory_mb, self.max_chars = problem, timeout_s, memory_mb, max_chars
+    def __init__(self, problem, seed=0, timeout_s=1.0, memory_mb=256, max_chars=400, tag="python",
+                 prompt=PY_PROMPT):
+        self.problem, self.timeout_s, self.memory_mb, self.max_chars = (
+            problem, timeout_s, memory_mb, max_chars)
         self.tag, self.prompt = tag, prompt
 
     def reset(self):
-        return [{"role": "system", "content": self.prompt}, {"role": "user", "content": self.problem["question"]}]
+        return [{"role": "system", "content": self.prompt},
+                {"role": "user", "content": self.problem["question"]}]
 
     def step(self, text):
         import sandbox
-        call = re.search(rf"<{self.tag}>(.*?)</{self.tag}>", text, re.DOTALL) if self.tag else [text, text]
+        call = (re.search(rf"<{self.tag}>(.*?)</{self.tag}>", text, re.DOTALL) if self.tag
+                else [text, text])
         if call is None:
             return Step([], done=True)
-        r = sandbox.run(call[1], timeout_s=self.timeout_s, memory_mb=self.memory_mb, max_output=4 * self.max_chars)
+        r = sandbox.run(call[1], timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                        max_output=4 * self.max_chars)
         out = (r.stdout + r.stderr[-self.max_chars // 2:])[-self.max_chars:]
         status = "" if r.status == "ok" else f" ({r.status})"
         return Step([{"role": "user", "content": f"<output>{out}</output>{status}"}], done=False,
                     info={"tool_call": True, "sandbox": r.status})
 
 
-BUILTIN = {"calculator": Calculator, "retry": Retry, "guess": Guess, "python": Python}  # names for rollout.env
+# names for rollout.env
+BUILTIN = {"calculator": Calculator, "retry": Retry, "guess": Guess, "python": Python}

@@ -46,10 +46,13 @@ import config
 import envs
 import generator
 import reward_guard
+import seeds
 
 ENDS = ("done", "length", "context", "turns", "error")
 ANCHOR = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
-TURN_SEED = 1_000_003  # turn k's requests are seeded seed + k * TURN_SEED + i
+def turn_seed(seed, turn):
+    """Turn `turn`'s generate() seed in a batch seeded `seed` (turn 0 is the batch's own): seeds.py."""
+    return seed if turn == 0 or seed is None else seeds.seed(seed, "turn", turn)
 
 
 def env_spec(spec):
@@ -160,7 +163,7 @@ class MultiTurn:
             if not active:
                 break
             out = [g[0] for g in self.gen.generate([prompts[i] + eps[i].ids for i in active], n=1, **sampling,
-                                                   seed=None if seed is None else seed + TURN_SEED * (turn + 1))]
+                                                   seed=turn_seed(seed, turn + 1))]
         return [[self.completion(problems[k], eps[k * n + j], version) for j in range(n)]
                 for k in range(len(problems))]
 

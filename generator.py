@@ -57,6 +57,7 @@ import torch
 
 import kvcache
 import machine
+import seeds
 
 
 @dataclass
@@ -142,6 +143,11 @@ def engine_args(device_type, *, colocated, kv_cache_memory_bytes, gpu_memory_uti
     return {**args, "gpu_memory_utilization": u, "enable_sleep_mode": colocated}
 
 
+def request_seed(seed, k):
+    """The k-th request of a generate() call seeded `seed` (seeds.py: its own stream, never another call's)."""
+    return seeds.seed(seed, "request", k)
+
+
 class VLLMGenerator:
     def __init__(self, model_path, *, max_model_len=1024, kv_cache_memory_bytes=256 << 20, max_num_seqs=256,
                  dtype="float32", seed=0, enforce_eager=None, gpu_memory_utilization=0.9, colocated=False):
@@ -184,14 +190,14 @@ class VLLMGenerator:
         _check_args(prompt_ids, n, temperature, max_tokens)
         stop = self.eos_ids if stop_token_ids is None else list(stop_token_ids)
 
-        # One request per (prompt, sample) with n=1: vLLM rejects greedy with n>1, and a per-request seed
-        # seed + i*n + j makes every sample reproducible on its own. vLLM's own n>1 fans out the same way.
+        # One request per (prompt, sample) with n=1: vLLM rejects greedy with n>1, and a seed per request
+        # (request_seed) makes every sample reproducible on its own. vLLM's own n>1 fans out the same way.
         def params(s):
             return SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                   stop_token_ids=stop, ignore_eos=True,  # stop exactly on `stop`, nothing else
                                   seed=s, logprobs=0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(n)]
-        sp = params(None) if seed is None else [params(seed + k) for k in range(len(prompts))]
+        sp = params(None) if seed is None else [params(request_seed(seed, k)) for k in range(len(prompts))]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
 
         rows = [o.outputs[0] for o in outs]

@@ -62,24 +62,15 @@ import machine
 import reward_guard
 import rewards
 import run
-import tasks
+import seeds
 import weight_sync
 
 
 def load_tasks(cfg, tok):
     """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
     too-long prompts dropped or truncated (data.long_prompts), counted."""
-    if cfg.data.name == "code":  # the held-out questions are drawn first and never trained on
-        held_out = tasks.make_code(cfg.eval.num_problems, seed=10_000 + cfg.train.seed)
-        train = tasks.make_code(1000, seed=cfg.train.seed, exclude=held_out)
-    elif cfg.data.name == "arith":
-        held_out = tasks.make_arith(cfg.eval.num_problems, seed=10_000 + cfg.train.seed,
-                                   min_digits=cfg.data.min_digits, max_digits=cfg.data.max_digits)
-        train = tasks.make_arith(20_000, seed=cfg.train.seed, min_digits=cfg.data.min_digits,
-                                max_digits=cfg.data.max_digits, exclude=[p["question"] for p in held_out])
-    else:
-        train = run.load_split(cfg.data, cfg.data.source, "train")
-        held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
+    train = data.problems(cfg.data, "train", cfg.train.seed)
+    held_out = data.problems(cfg.data, "test", cfg.train.seed, cfg.eval.num_problems)
     num_long, L = 0, cfg.data.max_prompt_tokens
     for split in (train, held_out):
         keep = []
@@ -216,12 +207,13 @@ def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, 
 
 def sample_seed(cfg, step, round_=0):
     """Sampling seed of step `step`'s generation round `round_` (0: the batch itself, k >= 1: DAPO refills)."""
-    return cfg.train.seed * 100_003 + step + 1_000_000_007 * round_
+    return seeds.seed(cfg.train.seed, "sample", step, round_)
 
 
 def round_problems(train, step, round_, cfg):
     """Step `step`'s prompts (round 0), or its k-th refill round's: B prompts from a stream of their own."""
-    return data.step_batch(train, step, cfg.rollout.prompts_per_step, cfg.train.seed + 1_000_003 * round_)
+    return data.step_batch(train, step, cfg.rollout.prompts_per_step, cfg.train.seed,
+                           "order" if round_ == 0 else f"refill_{round_}")
 
 
 def generate_step(gen, train, step, cfg, producer, num_producers, round_=0):
@@ -353,10 +345,12 @@ def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_t
     """Greedy pass@1 (and pass@k) on the held-out set; generation shared by all producers."""
     local = None
     if gen is not None:
-        local = generate_share(gen, held_out, producer, num_producers, 1, 0.0, cfg, seed=step)
+        local = generate_share(gen, held_out, producer, num_producers, 1, 0.0, cfg,
+                               seed=seeds.seed(cfg.train.seed, "eval", step))
         if cfg.eval.pass_k:
             local["k"] = generate_share(gen, held_out, producer, num_producers, cfg.eval.pass_k,
-                                        cfg.rollout.temperature, cfg, seed=step + 1)["completions"]
+                                        cfg.rollout.temperature, cfg,
+                                        seed=seeds.seed(cfg.train.seed, "pass_k", step))["completions"]
     greedy, _ = collect(local, len(held_out))
     if cfg.eval.pass_k:  # a second collective: generators must take part before they return
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))

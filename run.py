@@ -124,15 +124,6 @@ def check_checkpoint(path, field="model.path"):
         raise config.ConfigError(f"{field}: missing tokenizer file {path / 'tokenizer.json'}")
 
 
-def load_split(d, source, split):
-    """[{question, solution, target}] of one split of a non-synthetic dataset (every row checked, malformed ones
-    counted and skipped: data.keep_good). A user's loader is called as loader(source, split)."""
-    if d.name == "gsm8k":
-        return data.load_gsm8k(source, split, d.max_bad_fraction)
-    loader = config.load_object(d.name, "data.name")
-    return data.keep_good(loader(source, split), data.check_record, d.max_bad_fraction, f"{d.name} {source} [{split}]")
-
-
 def lr_lambda(warmup_steps, schedule, min_lr_ratio, horizon):
     """Linear warmup, then constant or cosine decay to min_lr_ratio at `horizon` steps (LambdaLR factor)."""
     def f(step):

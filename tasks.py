@@ -7,12 +7,29 @@
 - `make_code`: one-line Python specs ("Write a Python function f(x) that returns 7 times x plus 3.") whose target
   holds tests the program never sees; rewards.CodeReward runs them in the sandbox.
 
-Both return records {question, solution, target} like data.load_gsm8k's, are a pure function of their arguments
-(the same seed, the same problems, on every rank and every resume) and take `exclude`, so a training set never
-holds an eval question.
+Both return records {question, solution, target} like data.load_gsm8k's and are a pure function of their
+arguments (the same seed, the same problems, on every rank and every resume). Which split a question belongs to
+is a function of its text alone (`split_of`), so no trainer ever trains on a dev or test question, whatever the
+seed, the digits or the size of the set that drew it.
 """
 import json
 import random
+
+import seeds
+
+SPLITS = {"test": 1, "dev": 1, "train": 14}  # sixteenths of all questions: the held-out eval, SFT's stop, the rest
+
+
+def split_of(question: str) -> str:
+    """"train", "dev" (SFT's stopping rule) or "test" (the held-out eval both trainers keep out of training):
+    the one definition of the held-out problems, from the question's text and nothing else."""
+    h = seeds.seed("split", question) % sum(SPLITS.values())  # the text alone: no seed, no digits
+    return "test" if h < SPLITS["test"] else "dev" if h < SPLITS["test"] + SPLITS["dev"] else "train"
+
+def check_split(split):
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}: one of {', '.join(SPLITS)} (or None: any question)")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # The synthetic arithmetic task (docs/demo.md#how-the-task-was-calibrated)
@@ -29,18 +46,18 @@ def _operand(rng: random.Random, min_digits: int, max_digits: int) -> int:
     return rng.randint(1 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
 
 
-def make_arith(n: int, seed: int, min_digits: int = 1, max_digits: int = 2, exclude=()) -> list[dict]:
+def make_arith(n: int, seed: int, min_digits: int = 1, max_digits: int = 2, split: str | None = None) -> list[dict]:
     """n word problems {question, solution, target}, a pure function of the arguments. Operands have between
-    min_digits and max_digits digits. `exclude`: questions (or records) to leave out, e.g. the eval set.
-    Prefix-stable: make_arith(n, s)[:k] == make_arith(k, s) when nothing is excluded."""
+    min_digits and max_digits digits. `split`: only questions of that split (split_of); None: any.
+    Prefix-stable: make_arith(n, s)[:k] == make_arith(k, s)."""
     assert 1 <= min_digits <= max_digits, (min_digits, max_digits)
+    check_split(split)
     rng = random.Random(seed)
-    excluded = {e["question"] if isinstance(e, dict) else e for e in exclude}
     out, tries = [], 0
     while len(out) < n:
         tries += 1
         if tries > 100 * n + 1000:
-            raise ValueError(f"could not draw {n} problems outside `exclude` ({len(out)} found)")
+            raise ValueError(f"could not draw {n} problems of split {split!r} ({len(out)} found)")
         (name, pron), obj = rng.choice(NAMES), rng.choice(OBJECTS)
         a, b = _operand(rng, min_digits, max_digits), _operand(rng, min_digits, max_digits)
         op = rng.choice("+-")
@@ -49,7 +66,7 @@ def make_arith(n: int, seed: int, min_digits: int = 1, max_digits: int = 2, excl
             op, verb = "+", VERBS["+"][VERBS["-"].index(verb)]
         c = a + b if op == "+" else a - b
         question = f"{name} has {a} {obj}. {pron} {verb.format(b=b)}. How many {obj} now?"
-        if question in excluded:
+        if split is not None and split_of(question) != split:
             continue
         out.append({"question": question, "solution": f" {a} {op} {b} = {c}. The answer is {c}.", "target": str(c)})
     return out
@@ -81,10 +98,11 @@ CODE_SPECS = [
 ]
 
 
-def make_code(n: int, seed: int, tests: int = 4, exclude=()) -> list[dict]:
+def make_code(n: int, seed: int, tests: int = 4, split: str | None = None) -> list[dict]:
     """n problems {question, solution, target}; target = JSON {"fn": "f", "tests": [[[x], f(x)], ...]}. A pure
-    function of the arguments, like make_arith; `exclude`: questions (or records) never drawn, e.g. the eval set."""
-    rng, excluded, out, tries = random.Random(seed), {e["question"] if isinstance(e, dict) else e for e in exclude}, [], 0
+    function of the arguments, like make_arith; `split`: only questions of that split (split_of); None: any."""
+    check_split(split)
+    rng, out, tries = random.Random(seed), [], 0
     draw = {"int": lambda: rng.randint(0, 99), "list": lambda: [rng.randint(-9, 20) for _ in range(rng.randint(1, 6))],
             "str": lambda: "".join(rng.choice("abcdeab") for _ in range(rng.randint(1, 6)))}
     while len(out) < n:
@@ -101,8 +119,8 @@ def make_code(n: int, seed: int, tests: int = 4, exclude=()) -> list[dict]:
             continue
         tries += 1
         if tries > 100 * n + 1000:
-            raise ValueError(f"could not draw {n} distinct code problems ({len(out)} found): {len(CODE_SPECS)} specs")
-        if question in excluded:  # a question may repeat within a set (new tests), never across `exclude`
+            raise ValueError(f"could not draw {n} code problems of split {split!r} ({len(out)} found)")
+        if split is not None and split_of(question) != split:  # a question may repeat within a split (new tests)
             continue
         out.append({"question": question, "solution": f"```python\ndef f(x):\n    return {body.format(a=a, b=b)}\n```",
                     "target": json.dumps({"fn": "f", "tests": [[[x], f(x)] for x in inputs]})})

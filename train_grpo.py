@@ -54,6 +54,7 @@ import packing
 import reward_guard
 import rollout
 import run
+import seeds
 import weight_sync
 
 
@@ -215,7 +216,7 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
     mb_size, sums, tokens, num_opt, skipped = math.ceil(n / tr.minibatches), {}, {}, 0, 0
     first_logp = torch.zeros_like(batch["gen_logp"])
     # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
-    rng = torch.Generator().manual_seed(tr.seed * 1_000_003 + step)
+    rng = torch.Generator().manual_seed(seeds.seed(tr.seed, "minibatch", step))
     for epoch in range(tr.ppo_epochs):
         perm = torch.randperm(n, generator=rng) if tr.minibatches > 1 else torch.arange(n)
         for mb_rows in perm.split(mb_size):

@@ -54,6 +54,7 @@ import machine
 import reward_guard
 import rewards
 import run
+import seeds
 import tasks
 
 
@@ -148,29 +149,20 @@ def parse_config(argv):
 # 2. Models, data, packing
 # ---------------------------------------------------------------------------------------------
 def load_tasks(cfg):
-    """(train problems, or None for fresh synthetic ones; held-out problems; questions training must skip).
-    arith: the held-out set is a dev set (seed 20_000 + seed) that the accuracy stop looks at; training also
-    skips GRPO's test set (train_grpo.py: 500 problems, seed 10_000 + seed), so GRPO's eval stays unseen and
-    unselected."""
-    if cfg.data.name == "arith":
-        held_out = tasks.make_arith(cfg.eval.num_problems, seed=20_000 + cfg.train.seed,
-                                    min_digits=cfg.data.eval_min_digits, max_digits=cfg.data.eval_max_digits)
-        grpo_test = tasks.make_arith(500, seed=10_000 + cfg.train.seed, min_digits=2, max_digits=2)
-        return None, held_out, {p["question"] for p in held_out + grpo_test}
-    if cfg.data.name == "code":  # GRPO's held-out problems (seed 10_000 + seed) stay out of SFT's data too
-        held_out = tasks.make_code(cfg.eval.num_problems, seed=20_000 + cfg.train.seed)
-        grpo_test = tasks.make_code(200, seed=10_000 + cfg.train.seed)
-        return tasks.make_code(1000, seed=cfg.train.seed, exclude=held_out + grpo_test), held_out, set()
-    held_out = run.load_split(cfg.data, cfg.data.eval_source or cfg.data.source, "test")[:cfg.eval.num_problems]
-    return run.load_split(cfg.data, cfg.data.source, "train"), held_out, set()
+    """(train problems, or None for fresh synthetic arithmetic each step; held-out problems). The held-out set is
+    the dev split (data.problems, tasks.split_of) that the accuracy stop looks at: no trainer trains on it or on
+    GRPO's test split, whatever either one's seed, digits or set size."""
+    digits = (cfg.data.eval_min_digits, cfg.data.eval_max_digits)
+    held_out = data.problems(cfg.data, "dev", cfg.train.seed, cfg.eval.num_problems, digits)
+    return None if cfg.data.name == "arith" else data.problems(cfg.data, "train", cfg.train.seed), held_out
 
 
-def step_examples(train, step, batch, seed, cfg, exclude):
-    """Step s's examples from (seed, s) alone. Synthetic: fresh problems (never an eval question);
-    a dataset: epoch e is a fixed permutation of the train set (data.step_batch)."""
+def step_examples(train, step, batch, seed, cfg):
+    """Step s's examples from (seed, s) alone. Synthetic: fresh problems of the train split; a dataset: epoch e
+    is a fixed permutation of the train set (data.step_batch)."""
     if train is None:
-        return tasks.make_arith(batch, seed=seed * 1_000_003 + step + 1, min_digits=cfg.data.min_digits,
-                               max_digits=cfg.data.max_digits, exclude=exclude)
+        return tasks.make_arith(batch, seeds.seed(seed, "sft_step", step), min_digits=cfg.data.min_digits,
+                                max_digits=cfg.data.max_digits, split="train")
     return data.step_batch(train, step, batch, seed)
 
 
@@ -233,7 +225,7 @@ def main(argv=None):
     dist.init_distributed(roles, cfg.dist.timeout_s)
     dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, roles.world_size // cfg.dist.tp, cfg.dist.tp)
-    train, held_out, exclude = load_tasks(cfg)
+    train, held_out = load_tasks(cfg)
     for p in held_out:
         p["prompt_ids"] = data.prompt_ids(tok, p["question"] + cfg.data.instruction)
     dev_docs, _ = to_docs(tok, held_out, cfg.data.instruction, cfg.data.max_seq_tokens)
@@ -260,7 +252,7 @@ def main(argv=None):
     for s in range(start, cfg.train.steps):
         t_step = time.perf_counter()
         # 4a. examples: a pure function of (seed, step), identical on every rank; this rank takes its share
-        problems = step_examples(train, s, N, cfg.train.seed, cfg, exclude)[dp_rank * N // dp:(dp_rank + 1) * N // dp]
+        problems = step_examples(train, s, N, cfg.train.seed, cfg)[dp_rank * N // dp:(dp_rank + 1) * N // dp]
         docs, truncated = to_docs(tok, problems, cfg.data.instruction, cfg.data.max_seq_tokens)
         # 4b. pack: ids, pos, tgt, mask (R, L); every rank gets the same row count (FSDP2: same forwards)
         num_rows = torch.tensor(len(data.first_fit(docs, cfg.data.pack_len)))

@@ -82,9 +82,10 @@ def calibration(hf_dir, seed, n=8, bins=10):
     import data
     import generator
     import rewards
-    import tasks
+    import train_grpo
     tok = data.Tokenizer(hf_dir)
-    problems = tasks.make_arith(500, seed=10_000 + seed, min_digits=2, max_digits=2)
+    cfg = train_grpo.parse_config([str(demo.ROOT / "configs" / "tiny.py"), f"--train.seed={seed}"])
+    problems = data.problems(cfg.data, "test", seed, 500)  # train_grpo's held-out set (rollout.load_tasks)
     prompts = [data.prompt_ids(tok, p["question"]) for p in problems]
     gen = generator.TorchGenerator(str(hf_dir), max_model_len=96)
     reward = rewards.MathReward(symbolic=False)

@@ -207,7 +207,7 @@ def test_sft_on_gsm8k_rows_lowers_loss_and_exports(smollm2, tmp_path):
     hf = tmp_path / "sft" / "hf"
     model, tok = Transformer.from_pretrained(hf), data.Tokenizer(hf)
     cfg = train_sft.parse_config([*args, f"--log.out_dir={tmp_path}"])
-    _, held_out, _ = train_sft.load_tasks(cfg)
+    _, held_out = train_sft.load_tasks(cfg)
     batch = data.pack(train_sft.to_docs(tok, held_out, cfg.data.instruction, cfg.data.max_seq_tokens)[0],
                            cfg.data.pack_len, tok.pad_token_id)
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""tasks.py: the synthetic tasks are pure functions of their seed, correct, varied, and keep `exclude` out (the code
-task's reference solutions pass their own tests: tests/test_sandbox.py, through the sandbox)."""
+"""tasks.py: the synthetic tasks are pure functions of their seed, correct, varied, and each split holds only its own
+questions (the code task's reference solutions pass their own tests: tests/test_sandbox.py, through the sandbox)."""
 import json
 import re
 
@@ -27,26 +27,31 @@ def test_make_arith_deterministic_and_correct():
     assert len({r["question"].split()[0] for r in a}) == 10 and len({r["question"].split()[3] for r in a}) == 10
 
 
-def test_make_arith_digits_and_exclude():
-    evals = tasks.make_arith(300, seed=0, min_digits=2, max_digits=2)
+def test_make_arith_digits_and_splits():
+    evals = tasks.make_arith(300, seed=0, min_digits=2, max_digits=2, split="test")
     for r in evals:
         x, y = map(int, re.findall(r"\d+", r["question"]))
         assert 10 <= x <= 99 and 10 <= y <= 99
-    train = tasks.make_arith(3000, seed=0, min_digits=2, max_digits=2, exclude=evals)
+    train = tasks.make_arith(3000, seed=0, min_digits=2, max_digits=2, split="train")
     assert len(train) == 3000 and not {r["question"] for r in evals} & {r["question"] for r in train}
-    assert tasks.make_arith(3000, seed=0, min_digits=2, max_digits=2)[:300] == evals  # same seed: would overlap
-    every_one_digit = [f"{n} has {x} {o}. {p} {v.format(b=y)}. How many {o} now?" for n, p in tasks.NAMES
-                       for o in tasks.OBJECTS for v in tasks.VERBS["+"] + tasks.VERBS["-"] for x in range(1, 10)
-                       for y in range(1, 10)]
-    with pytest.raises(ValueError, match="outside `exclude`"):
-        tasks.make_arith(5, seed=0, max_digits=1, exclude=every_one_digit)
+    # the same seed, any digits and set size: a test question never lands in train (the split is the text's)
+    wide = tasks.make_arith(3000, seed=0, min_digits=1, max_digits=3, split="train")
+    assert not {r["question"] for r in evals} & {r["question"] for r in wide}
+    anyq = tasks.make_arith(16_000, seed=1)
+    share = {k: sum(tasks.split_of(r["question"]) == k for r in anyq) / len(anyq) for k in tasks.SPLITS}
+    for k, parts in tasks.SPLITS.items():  # each split's share of the questions drawn, within 4 standard errors
+        p = parts / sum(tasks.SPLITS.values())
+        assert abs(share[k] - p) < 4 * (p * (1 - p) / len(anyq)) ** 0.5, share
+    with pytest.raises(ValueError, match="unknown split 'nope': one of test, dev, train"):
+        tasks.make_arith(5, seed=0, max_digits=1, split="nope")
 
 
 def test_make_code_deterministic_disjoint_and_not_constant():
     problems = tasks.make_code(60, seed=3)
     assert tasks.make_code(20, seed=3) == problems[:20]
-    train = tasks.make_code(1000, seed=4, exclude=problems)
+    test = tasks.make_code(60, seed=3, split="test")
+    train = tasks.make_code(1000, seed=4, split="train")
     for p in train:  # no constant passes all of a problem's tests
         assert len({json.dumps(want) for _, want in json.loads(p["target"])["tests"]}) > 1, p
-    assert not {p["question"] for p in train} & {p["question"] for p in problems}
+    assert not {p["question"] for p in train} & {p["question"] for p in test}
     assert len({p["question"].split(" that ")[1].split(".")[0].split(" ")[1] for p in problems}) > 5

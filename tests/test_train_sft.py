@@ -126,7 +126,7 @@ def test_loss_drops_and_export_matches(straight, tiny_ckpt):
     hf = tmp / "nested/straight/hf"
     model, tok = Transformer.from_pretrained(hf), data.Tokenizer(hf)
     cfg = train_sft.parse_config([*RUN_ARGS, f"--model.path={tiny_ckpt}"])
-    _, held_out, _ = train_sft.load_tasks(cfg)
+    _, held_out = train_sft.load_tasks(cfg)
     batch = data.pack(train_sft.to_docs(tok, held_out, "", cfg.data.max_seq_tokens)[0], cfg.data.pack_len,
                            tok.pad_token_id)
     with torch.no_grad():
