@@ -3,8 +3,8 @@
 One figure, one panel per question: is reward rising and held-out accuracy following, what each
 reward contributes, is the response length stable, is the KL to the reference sane, is the entropy
 collapsing, do trainer and generator still agree on the sampled tokens' logprobs (mismatch), is the
-loss finite, is the gradient norm steady, and where does a step's time go. Missing metrics are skipped,
-so SFT and GRPO runs share this file.
+loss finite, is the gradient norm steady, and where does a step's time go. Missing metrics are
+skipped, so SFT and GRPO runs share this file.
 """
 import json
 from pathlib import Path
@@ -19,7 +19,8 @@ PANELS = [  # (title, keys); a key ending in "*" takes every metric with that pr
     ("loss", ["loss/total", "loss/pg", "sft/loss", "sft/eval_loss"]),
     ("grad norm", ["train/grad_norm"]),
 ]
-TIME_KEYS = ["perf/gen_s", "perf/reward_s", "perf/ref_s", "perf/old_s", "perf/train_s", "perf/sync_s", "perf/eval_s"]
+TIME_KEYS = ["perf/gen_s", "perf/reward_s", "perf/ref_s", "perf/old_s", "perf/train_s",
+             "perf/sync_s", "perf/eval_s"]
 
 
 def plot_run(jsonl, out_dir, name="curves.png"):
@@ -31,11 +32,13 @@ def plot_run(jsonl, out_dir, name="curves.png"):
     names = sorted({k for r in rows for k in r})
     for ax, (title, keys) in zip(axes.flat, PANELS):
         keys = [n for k in keys for n in ([k] if "*" not in k else
-                                           [n for n in names if n.startswith(k.split("*")[0]) and n.endswith(k.split("*")[1])])]
+                                           [n for n in names if n.startswith(k.split("*")[0])
+                                            and n.endswith(k.split("*")[1])])]
         for k in keys:
             pts = [(r["step"], r[k]) for r in rows if k in r]
             if pts:
-                ax.plot(*zip(*pts), label=k, marker="o" if k.startswith("eval/") else None, markersize=3)
+                ax.plot(*zip(*pts), label=k, marker="o" if k.startswith("eval/") else None,
+                        markersize=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         if ax.lines:

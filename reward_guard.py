@@ -3,22 +3,23 @@
 rewards.py's callables are written to be safe, but a researcher's own reward may raise, loop, return
 None or NaN, or hang inside a C extension. Every call from the trainer goes through this file:
 
-- `safe_call(fn, prompt, response, target, timeout_s)` -> (score, status), status one of ok | error |
-  timeout | nonfinite. An exception, a None/NaN/inf result or a call past `timeout_s` scores 0.0.
-- `time_limit(seconds)`: raises RewardTimeout inside the block after `seconds`, via SIGALRM armed with
-  setitimer. CPython checks for the signal between bytecodes and inside `re` and big-int loops, so pure
-  Python cannot outrun it. It nests (the earliest deadline fires first; `enclosing_expired` tells a
-  reward's own limit from its caller's) and restores whoever else uses SIGALRM (pytest-timeout).
-  Signals reach only the main thread: off it there is no timer, and a late call is detected afterwards.
+- `safe_call(fn, prompt, response, target, timeout_s)` -> (score, status), status one of ok | error
+  | timeout | nonfinite. An exception, a None/NaN/inf result or a call past `timeout_s` scores 0.0.
+- `time_limit(seconds)`: raises RewardTimeout inside the block after `seconds`, via SIGALRM armed
+  with setitimer. CPython checks for the signal between bytecodes and inside `re` and big-int loops,
+  so pure Python cannot outrun it. It nests (the earliest deadline fires first; `enclosing_expired`
+  tells a reward's own limit from its caller's) and restores whoever else uses SIGALRM
+  (pytest-timeout). Signals reach only the main thread: off it there is no timer, and a late call is
+  detected afterwards.
 - `score_batch(reward_fns, weights, ...)`: the trainer's entry point. Weighted total per sample; per
-  reward its mean and failure counts (`rewards/<name>_errors|_timeouts|_nonfinite`), which the trainer
-  logs every step, so a reward that quietly fails is visible on the first curve.
-- `RewardPool`: a C extension that never checks signals can still hang a process. The pool runs rewards
-  in spawned worker processes, kills a worker still busy `kill_grace_s` after its limit and starts a
-  fresh one (`rollout.reward_workers > 0`).
+  reward its mean and failure counts (`rewards/<name>_errors|_timeouts|_nonfinite`), which the
+  trainer logs every step, so a reward that quietly fails is visible on the first curve.
+- `RewardPool`: a C extension that never checks signals can still hang a process. The pool runs
+  rewards in spawned worker processes, kills a worker still busy `kill_grace_s` after its limit and
+  starts a fresh one (`rollout.reward_workers > 0`).
 
-Left out: memory limits for a reward (a worker that allocates without bound takes the machine with it),
-sandboxing of untrusted code.
+Left out: memory limits for a reward (a worker that allocates without bound takes the machine with
+it), sandboxing of untrusted code.
 """
 import math
 import multiprocessing as mp
@@ -49,13 +50,14 @@ def _arm():
 
 @contextmanager
 def time_limit(seconds):
-    """Raise RewardTimeout(deadline) in the block after `seconds`; nests; yields the deadline, or inf
-    (no limit) off the main thread, where signals cannot be delivered."""
+    """Raise RewardTimeout(deadline) in the block after `seconds`; nests; yields the deadline, or
+    inf (no limit) off the main thread, where signals cannot be delivered."""
     if not seconds or threading.current_thread() is not threading.main_thread():
         yield math.inf
         return
     if not _deadlines:  # outermost: restore whoever else uses SIGALRM (pytest-timeout) afterwards
-        saved, t0 = (signal.signal(signal.SIGALRM, _on_alarm), signal.getitimer(signal.ITIMER_REAL)[0]), time.monotonic()
+        saved, t0 = (signal.signal(signal.SIGALRM, _on_alarm),
+                     signal.getitimer(signal.ITIMER_REAL)[0]), time.monotonic()
     deadline = time.monotonic() + seconds
     _deadlines.append(deadline)
     try:
@@ -71,16 +73,19 @@ def time_limit(seconds):
             else:
                 signal.signal(signal.SIGALRM, saved[0])
                 if saved[1]:
-                    signal.setitimer(signal.ITIMER_REAL, max(saved[1] - (time.monotonic() - t0), 1e-4))
+                    signal.setitimer(signal.ITIMER_REAL,
+                                     max(saved[1] - (time.monotonic() - t0), 1e-4))
 
 
 def enclosing_expired(e: RewardTimeout) -> bool:
-    """Outside a time_limit block that caught `e`: did a limit that is still active (an enclosing one) expire?"""
+    """Outside a time_limit block that caught `e`: did a limit that is still active (an enclosing
+    one) expire?"""
     return e.deadline in _deadlines
 
 
 def safe_call(fn, prompt, response, target, timeout_s=1.0):
-    """-> (score, status), status in ok | error | timeout | nonfinite. Never raises; 0.0 on failure."""
+    """-> (score, status), status in ok | error | timeout | nonfinite. Never raises; 0.0 on
+    failure."""
     t0 = time.monotonic()
     try:
         with time_limit(timeout_s):
@@ -89,7 +94,8 @@ def safe_call(fn, prompt, response, target, timeout_s=1.0):
         return 0.0, "timeout"
     except Exception:
         return 0.0, "error"
-    if timeout_s and time.monotonic() - t0 > timeout_s:  # off the main thread: caught only afterwards
+    # off the main thread: caught only afterwards
+    if timeout_s and time.monotonic() - t0 > timeout_s:
         return 0.0, "timeout"
     if value is None:
         return 0.0, "nonfinite"
@@ -101,7 +107,8 @@ def safe_call(fn, prompt, response, target, timeout_s=1.0):
 
 
 def _worker(conn, reward_fns):  # unpickling reward_fns ran their warm-up (MathReward imports sympy)
-    if "torch" in sys.modules:  # spawn re-imported the trainer's module: one thread, run while the trainer waits
+    # spawn re-imported the trainer's module: one thread, run while the trainer waits
+    if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     conn.send("ready")
     while (job := conn.recv()) is not None:
@@ -110,11 +117,13 @@ def _worker(conn, reward_fns):  # unpickling reward_fns ran their warm-up (MathR
 
 
 class RewardPool:
-    """`workers` spawned processes holding `reward_fns` (spawn, not fork: the trainer has threads and
-    maybe CUDA). `map` kills and replaces a worker still busy `kill_grace_s` after its time limit."""
+    """`workers` spawned processes holding `reward_fns` (spawn, not fork: the trainer has threads
+    and maybe CUDA). `map` kills and replaces a worker still busy `kill_grace_s` after its time
+    limit."""
 
     def __init__(self, reward_fns, workers=2, kill_grace_s=1.0, start_timeout_s=120.0):
-        self.reward_fns, self.kill_grace_s, self.start_timeout_s = reward_fns, kill_grace_s, start_timeout_s
+        self.reward_fns, self.kill_grace_s, self.start_timeout_s = (
+            reward_fns, kill_grace_s, start_timeout_s)
         self.ctx, self.num_restarts = mp.get_context("spawn"), 0
         self.workers = [self._start() for _ in range(workers)]
 
@@ -178,11 +187,13 @@ class RewardPool:
         self.close()
 
 
-def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0, pool=None, per_reward=False):
+def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0, pool=None,
+                per_reward=False):
     """Weighted total per sample, plus per reward its mean and failure counts.
     reward_fns {name: callable}; weights {name: float} (missing -> 1.0); pool: a RewardPool over the
-    same reward_fns, or None to run here. -> (scores list[float], stats dict), and with `per_reward` a third:
-    {name: each sample's unweighted score} (the trainer's accuracy is rollout.accuracy's)."""
+    same reward_fns, or None to run here. -> (scores list[float], stats dict), and with `per_reward`
+    a third: {name: each sample's unweighted score} (the trainer's accuracy is
+    rollout.accuracy's)."""
     names, n = list(reward_fns), len(responses)
     jobs = [(k, p, r, t) for k in names for p, r, t in zip(prompts, responses, targets)]
     if pool is not None:
@@ -196,6 +207,7 @@ def score_batch(reward_fns, weights, prompts, responses, targets, timeout_s=1.0,
         for s, (value, _) in enumerate(part):
             scores[s] += (weights or {}).get(name, 1.0) * value
         stats[f"rewards/{name}_mean"] = sum(v for v, _ in part) / max(n, 1)
-        for status, key in (("error", "errors"), ("timeout", "timeouts"), ("nonfinite", "nonfinite")):
+        for status, key in (("error", "errors"), ("timeout", "timeouts"),
+                            ("nonfinite", "nonfinite")):
             stats[f"rewards/{name}_{key}"] = sum(st == status for _, st in part)
     return (scores, stats, parts) if per_reward else (scores, stats)

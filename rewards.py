@@ -1,30 +1,32 @@
 """Reward functions for RL post-training: the callables a researcher reads, edits and adds to.
 
-Contract: a reward is any picklable callable `reward(prompt: str, response: str, target: str) -> float`
-(a class with `__call__`, so it can travel to a worker process). Provided:
+Contract: a reward is any picklable callable
+`reward(prompt: str, response: str, target: str) -> float` (a class with `__call__`, so it can
+travel to a worker process). Provided:
 
 - MathReward: extract the final answer, compare it with `target`. Extraction order, first hit wins:
   1. the last `\\boxed{...}` / `\\fbox{...}` (nested braces);  2. GSM8K's `#### N`;
   3. "the answer is N";  4. the last number in the text (`last_number=False` turns this off).
   Comparison: equal strings (spaces ignored); else exact numbers (Fraction), reading thousands
-  separators, `$`, `%`, trailing units and periods, signs, `3/4`, `\\frac{3}{4}`, `\\dfrac`, `1.5e3`,
-  `1.5\\times10^{3}` (integers must match exactly, other numbers within `rel_tol`); else, when a side
-  is not a plain number, symbolically with math-verify (sympy). `require_boxed` accepts only boxed
-  answers; `partial_credit` is paid when the final answer is wrong (or unboxed where a box is
-  required) but the target number appears in the response (torchforge's rule).
+  separators, `$`, `%`, trailing units and periods, signs, `3/4`, `\\frac{3}{4}`, `\\dfrac`,
+  `1.5e3`, `1.5\\times10^{3}` (integers must match exactly, other numbers within `rel_tol`); else,
+  when a side is not a plain number, symbolically with math-verify (sympy). `require_boxed` accepts
+  only boxed answers; `partial_credit` is paid when the final answer is wrong (or unboxed where a
+  box is required) but the target number appears in the response (torchforge's rule).
 - ThinkingReward: 1.0 for a non-empty `<think>...</think>`, `partial_credit` for a malformed try.
 - FormatReward: 1.0 if a regex matches.  WeightedReward: sum_k w_k * r_k as one reward.
-- CodeReward: the response's last fenced Python block, run in the sandbox (sandbox.py) against the problem's
-  tests; the fraction of tests passed, or 1.0 only when all pass. The target is JSON {"fn": name, "tests":
-  [[args, expected], ...]}; the program is called with the args and never sees the expected outputs.
+- CodeReward: the response's last fenced Python block, run in the sandbox (sandbox.py) against the
+  problem's tests; the fraction of tests passed, or 1.0 only when all pass. The target is JSON
+  {"fn": name, "tests": [[args, expected], ...]}; the program is called with the args and never sees
+  the expected outputs.
 
-Cheap by construction (a reward runs B*G times a step): only the last `tail_chars` (8 KB) of a response
-are read, braces are matched in one linear pass, no regex can backtrack badly, number tokens longer than
-400 characters are refused (int() of 100k digits is slow) and exponents have at most 4 digits. The
-symbolic fallback (sympy can spin on `10^{10^{10^{10}}}`) runs only on short strings without exponent
-towers or factorials, and under reward_guard.time_limit (without a timer, e.g. in a thread, it is
-skipped rather than run unbounded). Whatever a reward still does wrong (raise, hang, return NaN) is
-reward_guard.py's business: the trainer calls every reward through it.
+Cheap by construction (a reward runs B*G times a step): only the last `tail_chars` (8 KB) of a
+response are read, braces are matched in one linear pass, no regex can backtrack badly, number
+tokens longer than 400 characters are refused (int() of 100k digits is slow) and exponents have at
+most 4 digits. The symbolic fallback (sympy can spin on `10^{10^{10^{10}}}`) runs only on short
+strings without exponent towers or factorials, and under reward_guard.time_limit (without a timer,
+e.g. in a thread, it is skipped rather than run unbounded). Whatever a reward still does wrong
+(raise, hang, return NaN) is reward_guard.py's business: the trainer calls every reward through it.
 Left out: LLM judges, multiple-choice and string-answer heuristics.
 """
 
@@ -37,12 +39,14 @@ from fractions import Fraction
 from reward_guard import RewardTimeout, enclosing_expired, safe_call, time_limit
 
 
-# ---- numbers: text -> Fraction | None, with linear-time regexes -------------------------------------
+# ---- numbers: text -> Fraction | None, with linear-time regexes ----------------------------------
 _INT = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)"  # 1,234,567 or 1234567; "1,2" is two numbers
 _NUM = rf"(?:(?<![\w)\]}}])[-+])?(?:{_INT}(?:\.\d*)?|\.\d+)"  # the "-" of "5-7" is not a sign
 _NUMBER_RE = re.compile(rf"({_NUM})(?:\s*/\s*({_NUM}))?"
-                        rf"(?:\s*(?:[eE]|(?:\\times|\\cdot|\*|×)\s*10\s*\^)\s*([-+]?\d{{1,4}})(?!\d))?")
-_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]{1,60})\}\s*\{\s*([^{}]{1,60})\}|\\[dt]?frac\s*(\d)\s*(\d)")
+                        rf"(?:\s*(?:[eE]|(?:\\times|\\cdot|\*|×)\s*10\s*\^)"
+                        rf"\s*([-+]?\d{{1,4}})(?!\d))?")
+_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]{1,60})\}\s*\{\s*([^{}]{1,60})\}"
+                      r"|\\[dt]?frac\s*(\d)\s*(\d)")
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox|operatorname)\s*\{([^{}]*)\}")
 _NOISE_RE = re.compile(r"\\[$%!,;: ]|\\left|\\right|\\displaystyle|[$%{}~]|\^\s*\\circ|\\circ|°")
 
@@ -63,7 +67,8 @@ def _fraction(num, den, exp):
 
 
 def to_number(s, strict=True):
-    """The number `s` states. strict: all of `s` (right of an `=`; units allowed); else its first number."""
+    """The number `s` states. strict: all of `s` (right of an `=`; units allowed); else its first
+    number."""
     s = _clean(s)
     if strict and "=" in s:
         s = s.rsplit("=", 1)[1].strip()
@@ -77,12 +82,14 @@ def to_number(s, strict=True):
 
 
 def _close(a, b, rel_tol):  # integers exactly (1450001 != 1450000), anything else within rel_tol
-    return a == b if a.denominator == b.denominator == 1 else abs(a - b) <= Fraction(rel_tol) * max(abs(b), 1)
+    return (a == b if a.denominator == b.denominator == 1
+            else abs(a - b) <= Fraction(rel_tol) * max(abs(b), 1))
 
 
-# ---- answer extraction --------------------------------------------------------------------------------
+# ---- answer extraction ---------------------------------------------------------------------------
 def last_boxed(text):
-    """Content of the last \\boxed{...} / \\fbox{...} (nested braces); None if absent or unclosed."""
+    """Content of the last \\boxed{...} / \\fbox{...} (nested braces); None if absent or
+    unclosed."""
     i = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     j = text.find("{", i)
     if i < 0 or j < 0 or text[i:j].strip() not in ("\\boxed", "\\fbox"):
@@ -101,7 +108,8 @@ def extract_answer(text, last_number=True):
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed, "boxed"
-    for pattern, how in ((r"####[ \t]*([^\n]{0,100})", "hash"), (r"(?i:answer is)[ \t:]*([^\n]{0,100})", "answer_is")):
+    for pattern, how in ((r"####[ \t]*([^\n]{0,100})", "hash"),
+                         (r"(?i:answer is)[ \t:]*([^\n]{0,100})", "answer_is")):
         hits = re.findall(pattern, text)
         if hits:
             return hits[-1], how
@@ -112,7 +120,8 @@ def extract_answer(text, last_number=True):
     return None, None
 
 
-def _sympy_safe(s):  # short, no exponent towers, no 4-digit exponents, no factorials or huge literals
+# short, no exponent towers, no 4-digit exponents, no factorials or huge literals
+def _sympy_safe(s):
     return (len(s) <= 100 and "!" not in s and "\\binom" not in s
             and not re.search(r"\^\s*\{?[^}]{0,20}\^|\^\s*\{?\s*-?\d{4}|\d{25}", s))
 
@@ -128,13 +137,15 @@ def _load_math_verify():  # call outside any time limit: the first sympy import 
 class MathReward:
     def __init__(self, require_boxed=False, last_number=True, partial_credit=0.0, rel_tol=1e-6,
                  symbolic=True, symbolic_timeout_s=0.5, tail_chars=8192):
-        self.require_boxed, self.last_number, self.partial_credit = require_boxed, last_number, partial_credit
+        self.require_boxed, self.last_number, self.partial_credit = (
+            require_boxed, last_number, partial_credit)
         self.rel_tol, self.symbolic, self.symbolic_timeout_s = rel_tol, symbolic, symbolic_timeout_s
         self.tail_chars = tail_chars
         if symbolic:
             _load_math_verify()
 
-    def __setstate__(self, state):  # unpickled in a RewardPool worker: import sympy before any timed call
+    # unpickled in a RewardPool worker: import sympy before any timed call
+    def __setstate__(self, state):
         self.__dict__.update(state)
         if self.symbolic:
             _load_math_verify()
@@ -151,7 +162,8 @@ class MathReward:
             if self.equal(answer, target, strict=how in ("boxed", "last_number")):
                 return 1.0
         if self.partial_credit and (b := to_number(target)) is not None:
-            if any((a := _fraction(*g)) is not None and _close(a, b, self.rel_tol) for g in _NUMBER_RE.findall(text)):
+            if any((a := _fraction(*g)) is not None and _close(a, b, self.rel_tol)
+                   for g in _NUMBER_RE.findall(text)):
                 return self.partial_credit
         return 0.0
 
@@ -181,12 +193,14 @@ class MathReward:
 
 
 class ThinkingReward:
-    """1.0 if `<tag>`...`</tag>` holds non-space text (the opening tag may end the prompt, as in chat
-    templates that open the block); `partial_credit` for another attempt (unclosed, empty, `< Think >`)."""
+    """1.0 if `<tag>`...`</tag>` holds non-space text (the opening tag may end the prompt, as in
+    chat templates that open the block); `partial_credit` for another attempt (unclosed, empty,
+    `< Think >`)."""
 
     def __init__(self, tag="think", partial_credit=0.2):
         self.tag, self.partial_credit = tag, partial_credit
-        self.attempt_re = re.compile(rf"<\s{{0,3}}/?\s{{0,3}}{re.escape(tag)}\s{{0,3}}>", re.IGNORECASE)
+        self.attempt_re = re.compile(rf"<\s{{0,3}}/?\s{{0,3}}{re.escape(tag)}\s{{0,3}}>",
+                                     re.IGNORECASE)
 
     def __call__(self, prompt, response, target):
         open_, close = f"<{self.tag}>", f"</{self.tag}>"
@@ -210,13 +224,15 @@ class FormatReward:
 
 
 class WeightedReward:
-    """sum_k weights[k] * fns[k](...) as one reward; each term through safe_call (a failure adds 0.0)."""
+    """sum_k weights[k] * fns[k](...) as one reward; each term through safe_call (a failure adds
+    0.0)."""
 
     def __init__(self, fns, weights=None, timeout_s=1.0):
         self.fns, self.weights, self.timeout_s = fns, weights or {}, timeout_s
 
     def __call__(self, prompt, response, target):
-        return sum(self.weights.get(k, 1.0) * safe_call(fn, prompt, response, target, self.timeout_s)[0]
+        return sum(self.weights.get(k, 1.0)
+                   * safe_call(fn, prompt, response, target, self.timeout_s)[0]
                    for k, fn in self.fns.items())
 
 
@@ -224,9 +240,10 @@ _FENCE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 class CodeReward:
-    """Tests passed by the last ```python block (`mode` "fraction" or "all"); no block scores 0.0 without running
-    anything. `fenced=False` runs the whole response (for raw-code completions). Each response is one sandbox run
-    of at most `timeout_s` (keep rollout.reward_timeout_s above it: the run's start-up adds ~0.1 s)."""
+    """Tests passed by the last ```python block (`mode` "fraction" or "all"); no block scores 0.0
+    without running anything. `fenced=False` runs the whole response (for raw-code completions).
+    Each response is one sandbox run of at most `timeout_s` (keep rollout.reward_timeout_s above it:
+    the run's start-up adds ~0.1 s)."""
 
     def __init__(self, mode="fraction", timeout_s=1.0, memory_mb=256, fenced=True):
         assert mode in ("fraction", "all"), mode
@@ -241,8 +258,10 @@ class CodeReward:
         got, _ = sandbox.call_tests(blocks[-1], spec["fn"], [args for args, _ in spec["tests"]],
                                     timeout_s=self.timeout_s, memory_mb=self.memory_mb)
         passed = sum(g == want for g, (_, want) in zip(got or [], spec["tests"]))
-        return passed / len(spec["tests"]) if self.mode == "fraction" else float(passed == len(spec["tests"]))
+        return (passed / len(spec["tests"]) if self.mode == "fraction"
+                else float(passed == len(spec["tests"])))
 
 
-BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward,  # names for rollout.rewards
+# names for rollout.rewards
+BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward,
            "code": CodeReward}

@@ -1,26 +1,30 @@
-"""Weight sync: the trainers' new weights into every generator, after each optimizer step (or every sync_interval).
+"""Weight sync: the trainers' new weights into every generator, after each optimizer step (or every
+sync_interval).
 
     rank       0 ........... N-G-1 | N-G ........ N-1         (dist.py: rank roles)
-    sync       rank 0 --- broadcast buckets ---> every generator     (group {trainer rank 0} + generators)
+    sync       rank 0 --- broadcast buckets ---> every generator
+                                                              (group {trainer rank 0} + generators)
 
-One code path for NCCL (GPU, which rides RDMA/InfiniBand when present) and gloo (CPU); colocated (no generator ranks),
-each trainer rank hands the tensors to its own generator in-process, no broadcast.
+One code path for NCCL (GPU, which rides RDMA/InfiniBand when present) and gloo (CPU); colocated (no
+generator ranks), each trainer rank hands the tensors to its own generator in-process, no broadcast.
 
-Sender. Trainers materialise one full tensor at a time (`full_params`: DTensor.full_tensor(), collective over the
-trainer mesh, so every trainer rank takes part); trainer rank 0 broadcasts them in ~bucket_mb buckets: small tensors
-packed into a reused buffer (one broadcast per bucket), big ones (>= _DIRECT_BYTES) straight from their own memory.
-Two buckets are in flight: bucket i is packed while i-1 is on the wire. Names, shapes, dtypes and offsets cross the
-wire once (the bucket plan, cached per group).
+Sender. Trainers materialise one full tensor at a time (`full_params`: DTensor.full_tensor(),
+collective over the trainer mesh, so every trainer rank takes part); trainer rank 0 broadcasts them
+in ~bucket_mb buckets: small tensors packed into a reused buffer (one broadcast per bucket), big
+ones (>= _DIRECT_BYTES) straight from their own memory. Two buckets are in flight: bucket i is
+packed while i-1 is on the wire. Names, shapes, dtypes and offsets cross the wire once (the bucket
+plan, cached per group).
 
-Receiver. Generators receive into two reused buffers (a fresh one page-faults on every byte, every sync), bucket i+1
-while `receive` consumes the zero-copy views (name, tensor) of bucket i. That reuse is safe because buckets hold
-whole decoder blocks: vLLM's reload keeps a layer's views (q, k, v of qkv_proj) until the whole layer has arrived,
-and a layer lies in one block. Embedding, final norm and lm_head go last, together: vLLM defers a padded embedding
-(vocabulary not a multiple of 64) to the end of the load. Parameter names are HF names (model.py mirrors the HF
-tree), so no renaming table; a tied lm_head goes once as model.embed_tokens.weight (vLLM re-ties it on load).
+Receiver. Generators receive into two reused buffers (a fresh one page-faults on every byte, every
+sync), bucket i+1 while `receive` consumes the zero-copy views (name, tensor) of bucket i. That
+reuse is safe because buckets hold whole decoder blocks: vLLM's reload keeps a layer's views (q, k,
+v of qkv_proj) until the whole layer has arrived, and a layer lies in one block. Embedding, final
+norm and lm_head go last, together: vLLM defers a padded embedding (vocabulary not a multiple of 64)
+to the end of the load. Parameter names are HF names (model.py mirrors the HF tree), so no renaming
+table; a tied lm_head goes once as model.embed_tokens.weight (vLLM re-ties it on load).
 
-Left out: CUDA IPC handles (verl's route for engines in other processes on the same GPU), quantised or delta
-transfers.
+Left out: CUDA IPC handles (verl's route for engines in other processes on the same GPU), quantised
+or delta transfers.
 """
 import time
 
@@ -32,67 +36,80 @@ import dist
 
 _SYNC_PLANS = {}                  # sync group -> bucket plan, so metadata crosses the wire once
 _DIRECT_BYTES = 1 << 20           # tensors this big are broadcast from their own memory, not packed
-_SYNC_BUFS = {}                   # (group, device) -> two reused bucket buffers (sender or receiver)
+_SYNC_BUFS = {}                   # (group, device) -> two reused bucket buffers (sender or
+#                                   receiver)
 
 
 def sync_group(roles):
-    """{trainer rank 0} + generator ranks; every rank must call this. None when colocated and on other trainers."""
+    """{trainer rank 0} + generator ranks; every rank must call this. None when colocated and on
+    other trainers."""
     if roles.colocated:
         return None
     return dist.new_group([roles.trainer_ranks[0], *roles.generator_ranks])
 
 
 def _sync_order(model):
-    """named_parameters() (a tied lm_head once, as embed_tokens), decoder blocks first, then the rest (see above)."""
+    """named_parameters() (a tied lm_head once, as embed_tokens), decoder blocks first, then the
+    rest (see above)."""
     return sorted(model.named_parameters(), key=lambda kv: not kv[0].startswith("model.layers."))
 
 
-@torch.no_grad()  # on a generator: only while it runs. DTensor ops outside autograd cost ~15x less per parameter
+# on a generator: only while it runs. DTensor ops outside autograd cost ~15x less per parameter
+@torch.no_grad()
 def full_params(model):
-    """(hf_name, full tensor), one at a time, in _sync_order. Collective over the trainer mesh for DTensors."""
+    """(hf_name, full tensor), one at a time, in _sync_order. Collective over the trainer mesh for
+    DTensors."""
     for name, p in _sync_order(model):
-        if isinstance(p, DTensor):  # on a 1-rank mesh the local shard is whole: skip full_tensor()'s copy
+        if isinstance(p, DTensor):
+            # on a 1-rank mesh the local shard is whole: skip full_tensor()'s copy
             p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
         yield name, p.detach()
 
 
 def _bucket_plan(model, bucket_bytes, direct_bytes):
-    """[(bucket_nbytes, packed_nbytes, [(name, shape, dtype, byte_offset), ...]), ...] in _sync_order. A bucket
-    holds whole units (a decoder block "model.layers.N."; all the rest is one last unit; why: module docstring), one
-    unit bigger than bucket_bytes alone. Tensors under direct_bytes are packed at [0, packed_nbytes), the big ones
-    follow; every offset is 64-byte aligned, so any dtype view is valid."""
+    """[(bucket_nbytes, packed_nbytes, [(name, shape, dtype, byte_offset), ...]), ...] in
+    _sync_order. A bucket holds whole units (a decoder block "model.layers.N."; all the rest is one
+    last unit; why: module docstring), one unit bigger than bucket_bytes alone. Tensors under
+    direct_bytes are packed at [0, packed_nbytes), the big ones follow; every offset is 64-byte
+    aligned, so any dtype view is valid."""
     units, groups, plan, pad = {}, [[]], [], lambda n: -(-n // 64) * 64  # noqa: E731
     for name, p in _sync_order(model):
         key = name[:name.index(".", 13) + 1] if name.startswith("model.layers.") else "rest"
-        units.setdefault(key, []).append((name, tuple(p.shape), p.dtype, p.numel() * p.element_size()))
+        units.setdefault(key, []).append((name, tuple(p.shape), p.dtype,
+                                          p.numel() * p.element_size()))
     for unit in units.values():
         if groups[-1] and sum(pad(e[3]) for e in groups[-1] + unit) > bucket_bytes:
             groups.append([])
         groups[-1] += unit
     for group in groups:
         offsets, off = {}, 0
-        for name, *_, n in sorted(group, key=lambda e: e[3] >= direct_bytes):  # stable: packed first, then big
+        # stable: packed first, then big
+        for name, *_, n in sorted(group, key=lambda e: e[3] >= direct_bytes):
             offsets[name], off = off, off + pad(n)
         packed = sum(pad(n) for *_, n in group if n < direct_bytes)
-        plan.append((off, packed, [(name, shape, dtype, offsets[name]) for name, shape, dtype, _ in group]))
+        plan.append((off, packed, [(name, shape, dtype, offsets[name])
+                                   for name, shape, dtype, _ in group]))
     return plan
 
 
 def _bufs(group, device, caps):
-    """Two uint8 buffers, reused bucket after bucket. On CPU also kept from sync to sync (a fresh allocation pays a
-    page fault per 4 KiB, every sync); on a GPU the caching allocator makes a fresh pair cheap, and the memory (about
-    the embedding plus a bucket: ~5 GB for a 7B model in fp32) goes back to the pool between syncs."""
+    """Two uint8 buffers, reused bucket after bucket. On CPU also kept from sync to sync (a fresh
+    allocation pays a page fault per 4 KiB, every sync); on a GPU the caching allocator makes a
+    fresh pair cheap, and the memory (about the embedding plus a bucket: ~5 GB for a 7B model in
+    fp32) goes back to the pool between syncs."""
     if torch.device(device).type != "cpu":
         return [torch.empty(c, dtype=torch.uint8, device=device) for c in caps]
     bufs = _SYNC_BUFS.get((id(group), str(device)))
     if bufs is None or [b.numel() for b in bufs] != caps:
-        bufs = _SYNC_BUFS[(id(group), str(device))] = [torch.empty(c, dtype=torch.uint8, device=device) for c in caps]
+        bufs = _SYNC_BUFS[(id(group), str(device))] = [
+            torch.empty(c, dtype=torch.uint8, device=device) for c in caps]
     return bufs
 
 
 def _send_buckets(model, plan, group, src, device):
-    """Per bucket one broadcast of the packed tensors, then one per big tensor from its own memory, all async:
-    bucket i is packed while i-1 is on the wire, after waiting for i-2 (its buffer, its tensors): two in flight."""
+    """Per bucket one broadcast of the packed tensors, then one per big tensor from its own memory,
+    all async: bucket i is packed while i-1 is on the wire, after waiting for i-2 (its buffer, its
+    tensors): two in flight."""
     params = full_params(model)
     bufs = _bufs(group, device, [max([b[1] for b in plan[j::2]], default=0) for j in (0, 1)])
     works = [[], []]
@@ -103,7 +120,8 @@ def _send_buckets(model, plan, group, src, device):
         for name, shape, dtype, off in entries:
             pname, t = next(params)
             if pname != name or tuple(t.shape) != shape or t.dtype != dtype:
-                raise RuntimeError(f"model changed since the first sync: {pname} vs cached {name}")
+                raise RuntimeError(
+                    f"model changed since the first sync: {pname} vs cached {name}")
             t = t.reshape(-1).view(torch.uint8)
             if off < packed:
                 buf[off:off + t.numel()].copy_(t)
@@ -116,14 +134,17 @@ def _send_buckets(model, plan, group, src, device):
 
 
 def _recv_buckets(plan, group, src, device):
-    """(name, tensor) views into bufs[i % 2] for bucket i. Bucket i+1 arrives over bucket i-1 while the caller consumes
-    bucket i: it must hold no view of bucket i-1 once it asks for bucket i (vLLM: see the module docstring)."""
+    """(name, tensor) views into bufs[i % 2] for bucket i. Bucket i+1 arrives over bucket i-1 while
+    the caller consumes bucket i: it must hold no view of bucket i-1 once it asks for bucket i
+    (vLLM: see the module docstring)."""
     bufs = _bufs(group, device, [max([b[0] for b in plan[j::2]], default=0) for j in (0, 1)])
 
-    def post(i):  # same broadcasts, same order as the sender: packed region, then each big tensor in plan order
+    # same broadcasts, same order as the sender: packed region, then each big tensor in plan order
+    def post(i):
         _, packed, entries = plan[i]
         buf = bufs[i % 2]
-        big = [buf[off:off + torch.Size(s).numel() * d.itemsize] for _, s, d, off in entries if off >= packed]
+        big = [buf[off:off + torch.Size(s).numel() * d.itemsize]
+               for _, s, d, off in entries if off >= packed]
         return [tdist.broadcast(t, src=src, group=group, async_op=True)
                 for t in ([buf[:packed]] if packed else []) + big]
 
@@ -134,21 +155,26 @@ def _recv_buckets(plan, group, src, device):
         if i + 1 < len(plan):
             works = post(i + 1)
         for name, shape, dtype, off in entries:
-            yield name, bufs[i % 2][off:off + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape)
+            yield name, (bufs[i % 2][off:off + torch.Size(shape).numel() * dtype.itemsize]
+                         .view(dtype).view(shape))
 
 
 def broadcast_weights(model, group, roles, bucket_mb=256, receive=None) -> dict:
-    """Trainers -> generators (see the module docstring). Every trainer rank and every generator calls it. On a
-    generator, `receive` gets views that a later bucket overwrites: load or copy each before moving on.
+    """Trainers -> generators (see the module docstring). Every trainer rank and every generator
+    calls it. On a generator, `receive` gets views that a later bucket overwrites: load or copy each
+    before moving on.
     Returns {"sync/bytes", "sync/seconds", "sync/gbps"} (gbps = gigabytes per second)."""
     t0, src = time.perf_counter(), roles.trainer_ranks[0]
     if roles.colocated:  # in-process handover: each trainer rank feeds its own generator
-        it, nbytes = full_params(model), sum(p.numel() * p.element_size() for p in model.parameters())
-    elif roles.is_trainer and roles.rank != src:  # full_tensor() is collective over the mesh: take part, send nothing
+        it, nbytes = full_params(model), sum(p.numel() * p.element_size()
+                                             for p in model.parameters())
+    elif roles.is_trainer and roles.rank != src:
+        # full_tensor() is collective over the mesh: take part, send nothing
         it, nbytes, receive = full_params(model), 0, None
     else:
         if group not in _SYNC_PLANS:
-            obj = [_bucket_plan(model, int(bucket_mb * (1 << 20)), _DIRECT_BYTES) if roles.rank == src else None]
+            obj = [_bucket_plan(model, int(bucket_mb * (1 << 20)), _DIRECT_BYTES)
+                   if roles.rank == src else None]
             tdist.broadcast_object_list(obj, src=src, group=group, device=torch.device("cpu"))
             _SYNC_PLANS[group] = obj[0]
         plan = _SYNC_PLANS[group]
@@ -160,7 +186,9 @@ def broadcast_weights(model, group, roles, bucket_mb=256, receive=None) -> dict:
             it = _recv_buckets(plan, group, src, roles.device)
     if receive is not None:
         receive(it)
-    for _ in it:  # drain: a receiver that stopped early must not leave the other ranks inside a collective
+    # drain: a receiver that stopped early must not leave the other ranks inside a collective
+    for _ in it:
         pass
     seconds = time.perf_counter() - t0
-    return {"sync/bytes": nbytes, "sync/seconds": seconds, "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
+    return {"sync/bytes": nbytes, "sync/seconds": seconds,
+            "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
