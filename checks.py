@@ -24,7 +24,7 @@ import config
 import dist
 import episodes
 import losses
-import rollout
+import rewards
 
 
 def fields(cfg, rules):
@@ -106,7 +106,7 @@ def grpo(cfg, world_size):
         ("log.run", bool(c.log.run), "a non-empty name"),
         ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1, ">= 0 (0: every step), -1 never")])
     outside_world(cfg)
-    rollout.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
+    rewards.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
     loss_cls = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")
     kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))

@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import difflib
 import importlib
+import os
 import sys
 import typing
 from pathlib import Path
@@ -77,21 +78,32 @@ class _Section:
         setattr(self._obj, self._known(key), _check(self._name, key, value, self._types[key]))
 
 
+def run_file(path, scope, sections):
+    """Run one config file in `scope` (the sections). Inside it, `include("tiny.py")` runs another config file,
+    named relative to this one, right there: a recipe is its base config plus the lines that differ."""
+    try:
+        code = open(path).read()
+    except OSError as e:
+        raise ConfigError(f"config file not found: {path} ({e.strerror})") from None
+
+    def include(name):
+        run_file(os.path.join(os.path.dirname(path), name), scope, sections)
+        scope["include"] = include  # the included file's own include() resolved relative to it
+    scope["include"] = include
+    try:
+        exec(compile(code, path, "exec"), scope)
+    except NameError as e:
+        raise ConfigError(f"{path}: {e}{_closest(e.name, sections)}") from None
+
+
 def parse(sections: dict, argv: list[str]) -> dict:
     """Config files (positional), then `--section.field=value` overrides, onto `sections`; FLAGS are the caller's."""
     wrapped = {name: _Section(name, obj) for name, obj in sections.items()}
     for arg in [a for a in argv if not a.startswith("-")]:  # config files first, in order
-        try:
-            code = open(arg).read()
-        except OSError as e:
-            raise ConfigError(f"config file not found: {arg} ({e.strerror})") from None
         scope = dict(wrapped)
-        try:
-            exec(compile(code, arg, "exec"), scope)
-        except NameError as e:
-            raise ConfigError(f"{arg}: {e}{_closest(e.name, sections)}") from None
+        run_file(arg, scope, sections)
         stray = [k for k, v in scope.items() if k not in wrapped and not k.startswith("_")
-                 and not isinstance(v, type(ast)) and k != "__builtins__"]
+                 and not isinstance(v, type(ast)) and k not in ("__builtins__", "include")]
         if stray:
             raise ConfigError(f"{arg}: top-level name '{stray[0]}' is not a config section"
                               f"{_closest(stray[0], sections)}; assign fields like `loss.beta = 0.0`")

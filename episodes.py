@@ -1,6 +1,6 @@
 """Multi-turn episodes: the turn loop and its token bookkeeping, the rollout's half of envs.py's contract.
 
-With `rollout.env` set, rollout.build_generator wraps the engine in `MultiTurn`, and every batch, refill round
+With `rollout.env` set, engine.build_generator wraps the engine in `MultiTurn`, and every batch, refill round
 and eval plays episodes instead of single completions. An episode is returned as one generator.Completion whose
 token_ids are everything after the opening prompt, with a loss mask under them:
 
@@ -25,7 +25,7 @@ An episode ends as: done (the env said so), length (a reply hit max_tokens: the 
 answer), context (the next turn would not fit `rollout.max_episode_tokens`: checked before the bridge is
 appended, so a reply is never cut to fit), turns (`rollout.max_turns` replies without done), or error (the env
 raised, ran past `rollout.env_timeout_s`, or returned something that is not a Step of messages). Its reward is
-the env's plus `rollout.rewards` on the last reply (rollout.score); an error scores 0, and every end is counted.
+the env's plus `rollout.rewards` on the last reply (rewards.score); an error scores 0, and every end is counted.
 A truncated episode is scored like any other, on its last reply (usually 0): it is the policy's failure, and
 masking it would hide that from the gradient; when all G of a problem truncate, the group has no signal and shows
 in rollout/zero_std_frac. Env messages are cut to `rollout.max_env_chars`.

@@ -1,7 +1,7 @@
 """Rollout generation: turn prompt token ids into sampled completions with per-token logprobs.
 
 Two backends behind one API, chosen by `rollout.backend = "vllm" | "torch" | "auto"` (auto: vLLM on a GPU; on CPU
-whichever was measured faster for the configured layout, model size and generation length: rollout.default_backend):
+whichever was measured faster for the configured layout, model size and generation length: engine.default_backend):
 
     gen = make_generator("vllm", "path/to/hf_ckpt")
     groups = gen.generate(prompt_ids, n=8, temperature=1.0, max_tokens=256, stop_token_ids=tok.eos_token_ids)
@@ -304,9 +304,10 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
 
 class TorchGenerator:
     compact_finished = True  # drop finished rows from the decode batch (False: the old loop, for bench/generate.py)
-    onednn = True            # reordered Linears on CPU (machine.onednn_weights; False: F.linear, bench/decode.py)
 
-    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0, tokenizer_path=None):
+    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0, tokenizer_path=None,
+                 onednn=True):
+        self.onednn = onednn  # reordered Linears on CPU (machine.onednn_weights; False: F.linear; rollout.onednn)
         # dtype: the compute dtype (KV cache included). None = the parameters' dtype; pass it for an FSDP2 module
         # with bf16 mixed precision, whose stored parameters stay fp32 while attention runs in bf16.
         import model as model_lib

@@ -226,21 +226,31 @@ def onednn_weights(model, rows: int) -> dict:
     """{module: (attribute, weight, bias, split sizes)}: the Linears big enough to gain, each weight reordered for
     oneDNN's matmul at about `rows` rows, to run as the module's `forward`; the projections that read the same input
     (FUSED: a block's q, k and v, its gate and up) stacked into one matmul, run as model.Attention.qkv or MLP.gate_up
-    and split after (one call instead of three: the k and v projections alone are too small to gain). {} where it
-    does not apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16, sharded
+    and split after (one call instead of three: the k and v projections alone are too small to gain). A module
+    whose method a fork changed (a subclass, or a patched method or Linear) keeps its own code. {} where it does
+    not apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16, sharded
     (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
     from torch.distributed.tensor import DTensor
     if not torch.backends.mkldnn.is_available():
         return {}
     dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
+    import model as model_lib
+    own = {"qkv": model_lib.Attention.qkv, "gate_up": model_lib.MLP.gate_up, "forward": torch.nn.Linear.forward}
+
+    def untouched(mod, attr):  # model.py's own method runs there, not a subclass's or a patched one: a fork's
+        return attr not in vars(mod) and getattr(type(mod), attr, None) is own[attr]  # change stays in force
+
     def fits(mod):
-        return (isinstance(mod, torch.nn.Linear) and not isinstance(mod.weight, DTensor)
-                and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes)
+        return (isinstance(mod, torch.nn.Linear) and untouched(mod, "forward")
+                and not isinstance(mod.weight, DTensor) and mod.weight.device.type == "cpu"
+                and mod.weight.dtype in dtypes)
     out, done = {}, set()
     for mod in model.modules():
         for attr, names in FUSED.items():
             lins = [getattr(mod, n, None) for n in names]
+            if not hasattr(mod, attr) or not untouched(mod, attr):
+                continue
             if all(fits(lin) for lin in lins) and sum(lin.weight.numel() for lin in lins) >= ONEDNN_MIN_WEIGHT:
                 w = torch.cat([lin.weight.detach() for lin in lins])
                 b = None if all(lin.bias is None for lin in lins) else torch.cat(

@@ -30,13 +30,17 @@ e.g. in a thread, it is skipped rather than run unbounded). Whatever a reward st
 Left out: LLM judges, multiple-choice and string-answer heuristics.
 """
 
+import functools
 import json
 import math
 import re
 from decimal import Decimal
 from fractions import Fraction
 
-from reward_guard import RewardTimeout, enclosing_expired, safe_call, time_limit
+import torch
+
+import config
+from reward_guard import RewardTimeout, enclosing_expired, safe_call, score_batch, time_limit
 
 
 # ---- numbers: text -> Fraction | None, with linear-time regexes ----------------------------------
@@ -265,3 +269,57 @@ class CodeReward:
 # names for rollout.rewards
 BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward,
            "code": CodeReward}
+
+
+# ---------------------------------------------------------------------------------------------------
+# From `rollout.rewards` to a batch's rewards: the trainers' side (rollout.py scores each step with it)
+# ---------------------------------------------------------------------------------------------------
+def reward_specs(entries, accuracy="math"):
+    """`rollout.rewards` -> [(name, factory, kwargs, weight)]. A key is a built-in (BUILTIN) or
+    "package.module:Name" / "path/to/file.py:Name" (a class, instantiated with the kwargs, or a function); a value
+    is its weight, or {"weight": w, **kwargs}. `accuracy` ("math" unless rollout.accuracy says) is always there,
+    with weight 0 unless listed: it is the accuracy metric whatever else is summed. Imports only (the config
+    check); make_rewards instantiates."""
+    specs = []
+    for key, value in {**entries, accuracy: entries.get(accuracy, 0.0)}.items():
+        kwargs = dict(value) if isinstance(value, dict) else {"weight": value}
+        weight, field = kwargs.pop("weight", 1.0), f"rollout.rewards[{key!r}]"
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise config.ConfigError(f"{field}: the weight must be a number, got {weight!r}")
+        fn = config.named(key, BUILTIN, field, "reward")
+        specs.append((key if key in BUILTIN else key.rpartition(":")[2], fn, kwargs, float(weight)))
+    return specs
+
+
+def make_rewards(cfg):
+    """({name: callable}, {name: weight}), each reward instantiated once, here (picklable for RewardPool)."""
+    fns, weights = {}, {}
+    for name, factory, kwargs, weight in reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy):
+        try:
+            fns[name] = factory(**kwargs) if isinstance(factory, type) else \
+                functools.partial(factory, **kwargs) if kwargs else factory
+        except TypeError as e:  # wrong keyword arguments for the class
+            raise config.ConfigError(f"rollout.rewards: {name}({kwargs}) failed: {e}") from None
+        if not callable(fns[name]):
+            raise config.ConfigError(f"rollout.rewards: a {name} instance is not callable (no __call__)")
+        weights[name] = weight
+    return fns, weights
+
+
+def score(groups, problems, reward_fns, weights, cfg, pool=None):
+    """Rewards (B, G) of this rank's groups: the weighted total, and the accuracy reward's part (correctness)."""
+    prompts, responses, targets, ends = [], [], [], []
+    for p, comps in zip(problems, groups):
+        for c in comps:
+            prompts.append(p["question"])
+            responses.append(c.text)  # a multi-turn episode's last reply, against the env's target if it has one
+            targets.append(c.metadata.get("target") or str(p["target"]))
+            ends.append((c.metadata.get("end"), c.metadata.get("env_reward")))
+    acc = cfg.rollout.accuracy
+    total, stats, parts = score_batch(reward_fns, weights, prompts, responses, targets,
+                                                   timeout_s=cfg.rollout.reward_timeout_s, pool=pool, per_reward=True)
+    if cfg.rollout.env:  # an episode scores the env's reward plus the rewards on its last reply; an env error 0
+        total = [0.0 if end == "error" else t + (env_r or 0.0) for t, (end, env_r) in zip(total, ends)]
+        parts[acc] = [0.0 if end == "error" else m for m, (end, _) in zip(parts[acc], ends)]
+    view = lambda x: torch.tensor(x, dtype=torch.float32).view(len(groups), -1)  # noqa: E731
+    return view(total), view(parts[acc]), stats

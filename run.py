@@ -1,13 +1,12 @@
 """A training run's bookkeeping, shared by train_sft.py and train_grpo.py.
 
-The trainers own the algorithm; this file owns what every run does around it, the same way for both: the command
-line (`--help`, `--print-config`), where the starting checkpoint comes from
-("tiny:<dir>" is the only path that creates one) and its cheap sanity check, the optimizer and its learning-rate
-schedule, what a resume continues from (said out loud, so a resume can never silently train zero steps) and
-restoring it, the periodic checkpoint, the run's outputs (`RunLog`: config.json, `metrics.jsonl` with one JSON row
-per step, cut back to the checkpoint on resume, the progress line, W&B, TensorBoard, plots), the end of a step (log,
-report a skipped step, abort after too many), and the process exit (a config error is one line; a failed collective
-names the lost rank).
+The trainers own the algorithm; this file owns what every run does around it, the same way for both: the
+command line (`--help`, `--print-config`), where the starting checkpoint comes from ("tiny:<dir>[@seed]" is the
+only path that creates one) and its cheap sanity check, loading it sharded (`load_model`; frozen for a model that
+only scores), the optimizer and its learning-rate schedule, what a resume continues from (said out loud, so a
+resume can never silently train zero steps) and restoring it, when evals and checkpoints fall due, saving one,
+and the process exit (a config error is one line; a failed collective names the lost rank). What a run logs:
+metrics.py.
 """
 import dataclasses
 import inspect
@@ -16,8 +15,6 @@ import math
 import random
 import re
 import sys
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -27,7 +24,6 @@ import checkpoint
 import config
 import data
 import dist
-import machine
 
 
 def help_text(sections):
@@ -204,123 +200,16 @@ def restore(ckpt_path, model, opt, sched):
     return tuple(extra.get("skipped", (0, 0)))
 
 
-def read_log(path, last_step):
-    """A .jsonl log's rows up to `last_step` (a resume drops rows logged after its checkpoint); a torn last
-    line, from a kill mid-write, is dropped too."""
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row["step"] <= last_step:
-            rows.append(line + "\n")
-    return "".join(rows)
+def checkpoint_due(step, cfg):
+    """After `step` steps: every `ckpt.every` steps (0 = never)."""
+    return bool(cfg.ckpt.every) and step % cfg.ckpt.every == 0
 
 
-def checkpoint_due(cfg, out, step, model, opt, sched, skipped, abort) -> int:
-    """Save every `ckpt.every` steps, with what a resume needs beyond the weights (schedule, skip counters, RNG);
-    not on a step that aborts the run. Returns 1 when a save failed (reported; the run goes on), else 0."""
-    if not cfg.ckpt.every or step % cfg.ckpt.every or abort:
-        return 0
+def save_checkpoint(out, step, model, opt, sched, skipped) -> int:
+    """A checkpoint with what a resume needs beyond the weights (schedule, skip counters, RNG). Returns 1 when the
+    save failed (reported; the run goes on), else 0."""
     state = {"sched": sched.state_dict(), "skipped": skipped, "rng": torch.get_rng_state(), "py_rng": random.getstate()}
     return int(checkpoint.save_checkpoint(out / "ckpt", step, model, opt, state) is None)
-
-
-class RunLog:
-    """A run's outputs, written by global rank 0 (on other ranks every method is a no-op): the resolved config
-    (printed, and saved as config.json), one JSON row per step in metrics.jsonl, other .jsonl logs (`append`), a
-    progress bar with one readable line per step (the `shown` keys), the PNG curves, and when asked for W&B
-    (`log.wandb`; files under <out>/wandb, WANDB_MODE=offline works offline) and TensorBoard (`log.tensorboard`;
-    event files under <out>/tb): every row with the same step numbers, the resolved config attached. A fresh start
-    empties the logs; a resume keeps their rows up to its checkpoint."""
-
-    def __init__(self, cfg, out, start, is_log, shown, logs=("metrics.jsonl",)):
-        self.out, self.is_log, self.shown, self.wandb, self.tb = Path(out), is_log, shown, None, None
-        self.plot_every_s, self.last_plot = cfg.log.plot_every_s, time.monotonic()
-        self.out.mkdir(parents=True, exist_ok=True)
-        if is_log:
-            resolved = config.to_dict(vars(cfg))
-            print("config:", json.dumps(resolved))
-            (self.out / "config.json").write_text(json.dumps(resolved))
-            info = machine.info()
-            print("machine:", json.dumps(info))
-            (self.out / "machine.json").write_text(json.dumps(info))
-            for log in logs:
-                (self.out / log).write_text(read_log(self.out / log, start) if start else "")
-            if cfg.log.wandb:  # optional extras, imported only when asked for (check_logging: they are there)
-                import wandb
-                self.wandb = wandb.init(project=cfg.log.wandb_project, name=cfg.log.run, dir=str(self.out),
-                                        config=resolved)
-            if cfg.log.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(self.out / "tb"))
-                self.tb.add_text("config", json.dumps(resolved, indent=2), global_step=start)
-        from tqdm import tqdm
-        self.bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_log, dynamic_ncols=True)
-
-    def step(self, row, progress=True):
-        """Append the row to metrics.jsonl (and W&B, TensorBoard); with `progress`, advance the bar and print."""
-        if not self.is_log:
-            return
-        self.append("metrics.jsonl", row)
-        if self.wandb:
-            self.wandb.log(row, step=row["step"])
-        if self.tb:
-            for k, v in row.items():
-                if k != "step":
-                    self.tb.add_scalar(k, v, global_step=row["step"])
-        if progress:
-            self.bar.update(1)
-            self.write(" ".join(f"{k.split('/')[-1]}={row[k]:.4g}" for k in self.shown if k in row))
-
-    def append(self, log, row):
-        if self.is_log:
-            with open(self.out / log, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    def write(self, msg):
-        if self.is_log:
-            self.bar.write(msg)
-
-    def plot(self, last=False):
-        """Refresh the PNGs: at the last step, else at most every `plot_every_s` (matplotlib costs ~1 s a plot:
-        every 25 steps it was a fifth of the demo's SFT time)."""
-        if self.is_log and self.plot_every_s >= 0 and (last or time.monotonic() - self.last_plot >= self.plot_every_s):
-            import plots
-            plots.plot_run(self.out / "metrics.jsonl", self.out)
-            self.last_plot = time.monotonic()
-
-    def close(self):
-        self.bar.close()
-        if self.wandb:
-            self.wandb.finish()
-        if self.tb:
-            self.tb.close()
-
-
-@contextmanager
-def timed(perf, key):
-    """perf[key] = seconds spent in the block (the step-time breakdown, perf/*_s)."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        perf[key] = time.perf_counter() - t0
-
-
-def finish_step(log, row, skipped, skipped_run, max_skipped, stat_keys, last):
-    """The end of every step: log the row, say so when its optimizer step was skipped (non-finite loss or grad
-    norm), refresh the plots (always after the `last` step), and abort after `max_skipped` skipped steps in a row: after the log, so the batch
-    that tipped it over is on record. Every rank calls it (every rank must raise)."""
-    stats = ", ".join(f"{k}={row[k]:.4g}" for k in stat_keys if k in row)
-    log.step(row)
-    if skipped:
-        log.write(f"step {row['step']}: non-finite loss or grad norm, optimizer step skipped ({stats})")
-    log.plot(last)
-    if skipped_run >= max_skipped:
-        raise RuntimeError(f"{skipped_run} consecutive steps (up to step {row['step']}) had a non-finite loss or grad "
-                           f"norm, train.max_skipped_steps={max_skipped}: aborting. Last batch: {stats}")
 
 
 def run_main(main):

@@ -48,11 +48,14 @@ import checks
 import config
 import data
 import dist
+import engine
 import losses
 import machine
+import metrics
 import packing
 import reward_guard
 import rollout
+import rewards
 import run
 import seeds
 import weight_sync
@@ -93,6 +96,8 @@ class Rollout:
     kv_cache_mb: int = 0            # vLLM KV cache per engine in MB (not a RAM fraction); 0 = one step's worth
     gpu_memory_utilization: float = 0.9  # vLLM on CUDA: share of the GPU for weights + KV + graphs, checked against
                                     # free memory at start; colocated it must leave the trainer room (e.g. 0.3)
+    onednn: bool = True             # torch generator on CPU: large Linears on oneDNN-reordered weights, q/k/v and
+                                    # gate/up stacked (machine.onednn_weights; a module a fork changed is left as is)
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode is launch-bound)
     max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal, and refill
@@ -267,17 +272,26 @@ def accumulate(sums, m, w):
         sums[k] = sums.get(k, 0.0) + v.detach() * w
 
 
-def drift(model, batch, logp, start_logp, cfg):
-    """How far this step's update moved the policy, on the batch's own response tokens (log.drift): KL(pi_old ||
-    pi_new) and the share of tokens whose ratio pi_new / pi_old left PPO's [0.8, 1.2] in this single step, and
-    KL(pi_old || pi_start) to the weights the run began from. The tokens are pi_old's samples, so k3 is unbiased."""
-    mask = batch["mask"]
-    keep = mask.bool()
-    new = packing.no_grad_logp(model, batch, cfg.train.micro_batch, cfg.rollout.temperature).cpu()
-    old, new, start = (torch.where(keep, x.cpu(), 0.0) for x in (logp, new, start_logp))
-    return {"drift/kl_step": float(losses.masked_mean(losses.kl_estimate(old, new, "k3"), mask)),
-            "drift/moved_frac": float(losses.masked_mean(((new - old).exp() - 1).abs().gt(0.2).float(), mask)),
-            "drift/kl_start": float(losses.masked_mean(losses.kl_estimate(old, start, "k3"), mask))}
+@dataclass(frozen=True)
+class Plan:
+    """What happens at step s besides its update. One function decides it (`schedule`) for both loops, main() and
+    generator_loop(), which must issue the same collectives in the same order."""
+    ahead: bool  # generate batch s+1 before the update on batch s (rollout.max_staleness >= 1)
+    sync: bool   # weights to the generators after the update: every dist.sync_interval steps, and before an eval
+    eval: bool   # held-out eval after the update: every eval.every steps, and after the last
+    ckpt: bool   # a checkpoint after the step, every ckpt.every steps (trainer ranks only)
+
+
+def schedule(s, cfg) -> Plan:
+    ev = run.eval_due(s, cfg)
+    return Plan(ahead=bool(cfg.rollout.max_staleness) and s + 1 < cfg.train.steps,
+                sync=(s + 1) % cfg.dist.sync_interval == 0 or ev, eval=ev, ckpt=run.checkpoint_due(s + 1, cfg))
+
+
+def receiver(gen, version):
+    """Where a weight sync's tensors go on this rank: into its engine, as weight version `version` (optimizer
+    steps taken); None where there is no engine."""
+    return None if gen is None else lambda named: gen.update_weights(named, version)
 
 
 SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl", "rollout/response_len",
@@ -293,7 +307,7 @@ def main(argv=None):
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     path = run.resolve_model(cfg.model.path)
-    backend = rollout.resolve_backend(cfg, path)  # which GPU an engine takes
+    backend = engine.resolve_backend(cfg, path)  # which GPU an engine takes
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
     machine.resolve_dtype(cfg, say=roles.rank == 0)  # "auto": measured here, before the engine or the model is built
     torch.manual_seed(cfg.train.seed)
@@ -306,17 +320,17 @@ def main(argv=None):
     train, held_out, num_dropped = rollout.load_tasks(cfg, tok)  # before the engine: the longest prompt sizes its KV
     gen = None
     if roles.is_generator or roles.colocated:  # multi-turn (rollout.env): an engine that plays episodes
-        gen = rollout.build_generator(cfg, path, roles, tok, max(len(p["prompt_ids"]) for p in train + held_out))
+        gen = engine.build_generator(cfg, path, roles, tok, max(len(p["prompt_ids"]) for p in train + held_out))
     dist.init_distributed(roles, cfg.dist.timeout_s)
     dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = weight_sync.sync_group(roles)
-    reward_fns, weights = rollout.make_rewards(cfg)
+    reward_fns, weights = rewards.make_rewards(cfg)
     pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
         if cfg.rollout.reward_workers and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
-    if roles.is_generator:
-        rollout.generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
+    if roles.is_generator:  # a dedicated generator rank: generator_loop, below main, is its whole life
+        generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
@@ -325,37 +339,38 @@ def main(argv=None):
     kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
     ref = run.load_model(path, roles.device, mesh, cfg, frozen=True) if kl_in_loss or cfg.log.drift else None
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
-    receive = (lambda v: lambda named: gen.update_weights(named, v)) if gen is not None else (lambda v: None)
     # a resume restores model, optimizer, schedule, counters; data order and sampling seeds derive from the step
     skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
     if ckpt_path:  # the generators take the restored weights before they generate anything
-        weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(start))
+        weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receiver(gen, start))
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
-    log = run.RunLog(cfg, out, start, roles.rank == 0, SHOWN, logs=("metrics.jsonl", "prompts.jsonl"))
+    log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN, logs=("metrics.jsonl", "prompts.jsonl"))
     num_failed_saves, pending = 0, None
-    scorer = lambda groups, problems: rollout.score(groups, problems, reward_fns, weights, cfg, pool)[0]  # noqa: E731
+
+    def scorer(groups, problems):  # DAPO's refill asks which groups carry signal (rollout.refill)
+        return rewards.score(groups, problems, reward_fns, weights, cfg, pool)[0]
     if start == 0:
         ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         log.step({"step": 0, **ev}, progress=False)
 
-    # ---- 4. the loop ------------------------------------------------------------------------------
+    # ---- 4. the loop: generator_loop (below) issues the same collectives, in the same order --------
     for s in range(start, cfg.train.steps):
-        t_step, perf = time.perf_counter(), {}
-        # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share (or did, one step
-        # ahead), dedicated ones wait for the generators; dynamic sampling refills the batch (all in rollout.py)
-        problems, groups, perf["perf/gen_s"], fill = rollout.step_rollout(gen, train, s, cfg, producer, num_producers,
-                                                                          pending, scorer)
-        pending = rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers) if rollout.ahead(s, cfg) \
-            else None  # colocated and stale: batch s+1 sampled now, by the weights before this update
+        t_step, perf, plan = time.perf_counter(), {}, schedule(s, cfg)
+        # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share (or did, one
+        # step ahead), dedicated ones wait for the generators; dynamic sampling refills the batch (rollout.py)
+        problems, groups, perf["perf/gen_s"], fill = rollout.step_rollout(
+            gen, train, s, cfg, producer, num_producers, pending, scorer)
+        pending = rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers) \
+            if plan.ahead else None  # colocated and stale: batch s+1 sampled now, by the weights before this update
         prompt_ids = [p["id"] for p in problems]  # logged to prompts.jsonl: which data each step saw
         perf.update(fill)
         lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
         problems, groups = problems[lo:hi], groups[lo:hi]
-        # 4c. rewards (B/dp, G)
-        with run.timed(perf, "perf/reward_s"):
-            r, correct, rstats = rollout.score(groups, problems, reward_fns, weights, cfg, pool)  # total, math
-            lengths = torch.tensor([[len(c.token_ids) for c in comps] for comps in groups], dtype=torch.float32)
+        # 4c. rewards (B/dp, G): the weighted total, and the accuracy reward's part
+        with metrics.timed(perf, "perf/reward_s"):
+            r, correct, rstats = rewards.score(groups, problems, reward_fns, weights, cfg, pool)
+            lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float32)
         # 4d. advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask of groups without signal
         batch = packing.make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})  # the model's inputs
@@ -363,9 +378,9 @@ def main(argv=None):
         if cfg.rollout.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         # 4e. reference and old logprobs (no grad), only when the loss needs them
-        with run.timed(perf, "perf/ref_s"):
+        with metrics.timed(perf, "perf/ref_s"):
             ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp) if ref is not None else None
-        with run.timed(perf, "perf/old_s"):  # pi_old: the sampler's logprobs when stale; on-policy with one
+        with metrics.timed(perf, "perf/old_s"):  # pi_old: the sampler's logprobs when stale; on-policy with one
             # optimizer step, sg(logp) inside the loss; with several, the policy before them, scored once. With
             # minibatches > 1 it is scored even when stale: mismatch and drift measure against it (4h)
             stale, tr = cfg.rollout.max_staleness > 0, cfg.train
@@ -373,44 +388,68 @@ def main(argv=None):
                 if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None
             old_logp = batch["gen_logp"] if stale else pre_logp
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
-        with run.timed(perf, "perf/train_s"):
-            if roles.colocated and gen is not None:  # GPU: free the engine's memory for the update (CPU: nothing freed)
-                gen.sleep(keep_weights=not rollout.sync_due(s, cfg))  # new weights follow: no need to keep the old
-            m, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv, ref_logp if kl_in_loss else None,
-                                            old_logp, cfg, roles.device, s)
-        train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # the policy before any step of this update
+        with metrics.timed(perf, "perf/train_s"):
+            if roles.colocated and gen is not None:  # GPU: the engine's memory freed for the update (CPU: none)
+                gen.sleep(keep_weights=not plan.sync)  # new weights follow: no need to keep the old
+            m, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
+                                            ref_logp if kl_in_loss else None, old_logp, cfg, roles.device, s)
+        train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # the policy before this update
         perf["perf/update_gflops"] = m["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
-        m.update(drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
+        m.update(metrics.drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
+        m.update(metrics.mismatch(train_logp, batch["gen_logp"], batch["mask"]))
         skipped_total += skipped
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
         sync = {}
-        with run.timed(perf, "perf/sync_s"):
-            if rollout.sync_due(s, cfg):
-                sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receive=receive(s + 1))
+        with metrics.timed(perf, "perf/sync_s"):
+            if plan.sync:
+                sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
+                                                     receiver(gen, s + 1))
             if roles.colocated and gen is not None:
-                gen.wake_up()  # whatever still sleeps; after a sync nothing does (update_weights' wake order: generator.py)
+                gen.wake_up()  # whatever still sleeps; after a sync nothing does (generator.py: the wake order)
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
-        row = rollout.step_metrics({**m, **rstats, **rollout.mismatch(train_logp, batch["gen_logp"], batch["mask"]), **sync, **perf},
-                           r, correct, lengths, groups, batch, s, sched, skipped_total, num_dropped, cfg,
-                           mesh["dp_shard"].get_group(), dp)
-        if run.eval_due(s, cfg):
-            with run.timed(row, "perf/eval_s"):
+        row = metrics.step_metrics({**m, **rstats, **sync, **perf}, r, correct, lengths, groups, batch, s, sched,
+                                   skipped_total, num_dropped, cfg, mesh["dp_shard"].get_group(), dp)
+        if plan.eval:
+            with metrics.timed(row, "perf/eval_s"):
                 row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
         abort = skipped_run >= cfg.train.max_skipped_steps
-        num_failed_saves += run.checkpoint_due(cfg, out, s + 1, model, opt, sched, (skipped_total, skipped_run), abort)
+        if plan.ckpt and not abort:  # not on a step that aborts the run
+            num_failed_saves += run.save_checkpoint(out, s + 1, model, opt, sched, (skipped_total, skipped_run))
         row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
         row["step"] = s + 1
         log.append("prompts.jsonl", {"step": s + 1, "ids": prompt_ids})
-        run.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
-                        last=s + 1 == cfg.train.steps)
+        metrics.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
+                            last=s + 1 == cfg.train.steps)
 
     # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
     checkpoint.export_hf(model, out / "hf", tokenizer_dir=path)
     log.close()
     dist.shutdown()
+
+
+def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
+    """A dedicated generator rank: main()'s collectives, in main()'s order, with generation between. A collective
+    added to one loop and not the other hangs the run until dist.timeout_s."""
+    producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
+    if start > 0:  # resumed: take the restored weights before generating anything (main: restore)
+        weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receiver(gen, start))
+    if start == 0:  # main: the step-0 eval
+        rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0, is_trainer=False)
+    pending = None
+    for s in range(start, cfg.train.steps):
+        plan = schedule(s, cfg)
+        rollout.step_rollout(gen, train, s, cfg, producer, num_producers, pending)  # main: 4a-b
+        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s's refill rounds
+        pending = rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers) if plan.ahead else None
+        if plan.sync:  # main: 4g
+            weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receiver(gen, s + 1))
+        if plan.eval:  # main: 4h
+            rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
+    print(f"generator rank {roles.rank}: done, weight version {gen.version} after {cfg.train.steps} steps",
+          flush=True)
 
 
 if __name__ == "__main__":

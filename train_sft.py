@@ -51,6 +51,7 @@ import data
 import dist
 import generator
 import machine
+import metrics
 import reward_guard
 import rewards
 import run
@@ -243,7 +244,7 @@ def main(argv=None):
                                    tokenizer_path=path)
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     dp_group = mesh["dp_shard"].get_group()
-    log = run.RunLog(cfg, out, start, roles.rank == 0, SHOWN)
+    log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN)
     num_failed_saves = 0
     if start == 0:
         log.step({"step": 0, **evaluate(model, gen, dev_batch, held_out, cfg, roles.device)}, progress=False)
@@ -291,12 +292,13 @@ def main(argv=None):
             stop = bool(cfg.eval.stop_at_accuracy) and s + 1 >= cfg.eval.min_step \
                 and box[0] >= cfg.eval.stop_at_accuracy
         abort = skipped_run >= cfg.train.max_skipped_steps
-        num_failed_saves += run.checkpoint_due(cfg, out, s + 1, model, opt, sched, (skipped_total, skipped_run), abort)
+        if run.checkpoint_due(s + 1, cfg) and not abort:  # not on a step that aborts the run
+            num_failed_saves += run.save_checkpoint(out, s + 1, model, opt, sched, (skipped_total, skipped_run))
         row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(vec[2]) / max(train_s, 1e-9)
         row["step"] = s + 1
-        run.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
+        metrics.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,
                         last=s + 1 == cfg.train.steps or stop)
         if stop:
             log.write(f"eval/pass@1={row['eval/pass@1']:.3f} >= {cfg.eval.stop_at_accuracy} at step {s + 1}: "

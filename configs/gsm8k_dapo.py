@@ -2,10 +2,8 @@
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_dapo.py
 # Settings and sources: docs/losses-spec.md section 6 (loss), section 1 (dynamic sampling,
 # overlong).
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm8k.py")).read())  # the 8-GPU base
+include("gsm8k.py")  # the 8-GPU base
 loss.name = "dapo"
 loss.kwargs = {"clip_low": 0.2, "clip_high": 0.28}  # Clip-Higher (paper sec. 4.1); token-mean (eq. 12); no KL
 loss.adv = "grpo"                                   # group z-score

@@ -1,10 +1,8 @@
 # Dr.GRPO, "GRPO Done Right" (arXiv 2503.20783), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_dr_grpo.py
 # Settings and sources: docs/losses-spec.md section 5.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm8k.py")).read())  # the 8-GPU base
+include("gsm8k.py")  # the 8-GPU base
 loss.name = "dr_grpo"
 loss.kwargs = {"clip_low": 0.2, "clip_high": 0.2}   # PPO clip 0.2 (paper Table 6); no KL ("beta = 0 throughout")
 # The constant normaliser C is rollout.max_tokens (checks.loss_kwargs passes it): loss = sum m*l / (B*C),

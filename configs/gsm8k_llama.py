@@ -4,10 +4,8 @@
 # data.Tokenizer takes the eos ids from generation_config.json (<|eot_id|> ends an assistant turn).
 # NOTE: meta-llama repositories are gated: accept the licence on the hub and `huggingface-cli login` first,
 # or point model.path at a local copy.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm8k.py")).read())  # the 8-GPU base
+include("gsm8k.py")  # the 8-GPU base
 model.path = "meta-llama/Llama-3.2-1B-Instruct"
 loss.name = "grpo"
 loss.kwargs = {"beta": 0.04}        # DeepSeekMath's KL coefficient (docs/losses-spec.md section 4)

@@ -1,10 +1,8 @@
 # torchforge's SimpleGRPO (on-policy GRPO, no clip), on the 8-GPU GSM8K setup of configs/gsm8k.py.
 #   torchrun --nproc_per_node=8 train_grpo.py configs/gsm8k_simple_grpo.py
 # Settings and sources: docs/losses-spec.md section 2 (meta-pytorch/torchforge SimpleGRPOLoss).
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "gsm8k.py")).read())  # the 8-GPU base
+include("gsm8k.py")  # the 8-GPU base
 loss.name = "simple_grpo"
 loss.kwargs = {"beta": 0.1}         # torchforge's default; the paper's is 0.04 (spec sec. 2 [DISAGREE]); k3 KL
 loss.adv = "grpo"                   # torchforge ComputeAdvantages: group z-score ...

@@ -2,10 +2,8 @@
 # 4 hidden tests each), rewarded by the sandboxed code reward (rewards.CodeReward, sandbox.py), on CPU, one process.
 # What it learns in 10 steps is in docs/sandbox.md.
 #   python train_grpo.py configs/smollm2_code.py --rollout.backend=vllm
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "smollm2_cpu.py")).read())  # the CPU base
+include("smollm2_cpu.py")  # the CPU base
 model.dtype = "float32"             # not "auto": what it learns was measured in fp32 (bf16: 0.037 nats/token mismatch)
 data.name = "code"
 data.instruction = ""               # the question itself says what to write

@@ -2,10 +2,8 @@
 # Held-out greedy accuracy single-turn 0.080; with the tool and one worked episode in the prompt 0.405, and 0.995
 # after 10 GRPO steps (docs/multi-turn.md; make demo-tools runs it beside single-turn GRPO).
 #   python train_grpo.py configs/smollm2_tools.py
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "smollm2_cpu.py")).read())  # the CPU base
+include("smollm2_cpu.py")  # the CPU base
 model.dtype = "float32"             # not "auto": what it learns was measured in fp32 (bf16: 0.037 nats/token mismatch)
 data.min_digits = 2
 data.max_digits = 2

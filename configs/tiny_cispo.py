@@ -4,10 +4,8 @@
 # cell: cispo lr=3e-05 staleness=0 seed=0 steps=22
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.056 ± 0.015;
 # stale by one batch at this lr +0.053 ± 0.022; at its best stale lr (0.0001) +0.061 ± 0.037.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
+include("tiny.py")  # the tiny base
 loss.name = "cispo"
 loss.kwargs = {}
 optim.lr = 3e-05

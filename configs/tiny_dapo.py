@@ -4,10 +4,8 @@
 # cell: dapo lr=0.0001 staleness=0 seed=0 steps=22
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.089 ± 0.006;
 # stale by one batch at this lr +0.085 ± 0.031; at its best stale lr (0.0001) +0.085 ± 0.031.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
+include("tiny.py")  # the tiny base
 loss.name = "dapo"
 loss.kwargs = {}
 rollout.filter_zero_std = True   # dynamic sampling, refilled (rollout.refill_rounds)

@@ -4,10 +4,8 @@
 # cell: grpo lr=3e-05 staleness=0 seed=0 steps=22
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.056 ± 0.015;
 # stale by one batch at this lr +0.063 ± 0.017; at its best stale lr (0.0001) +0.076 ± 0.041.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
+include("tiny.py")  # the tiny base
 loss.name = "grpo"
 loss.kwargs = {"beta": 0.0, "agg": "token_mean"}
 optim.lr = 3e-05

@@ -4,10 +4,8 @@
 # cell: gspo lr=0.0001 staleness=0 seed=0 steps=22
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.071 ± 0.028;
 # stale by one batch at this lr +0.064 ± 0.016; at its best stale lr (0.0001) +0.064 ± 0.016.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
+include("tiny.py")  # the tiny base
 loss.name = "gspo"
 loss.kwargs = {}
 optim.lr = 0.0001

@@ -4,10 +4,8 @@
 # cell: sapo lr=0.0001 staleness=0 seed=0 steps=22
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.069 ± 0.031;
 # stale by one batch at this lr +0.030 ± 0.021; at its best stale lr (3e-05) +0.051 ± 0.024.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
+include("tiny.py")  # the tiny base
 loss.name = "sapo"
 loss.kwargs = {"tau_pos": 1.0, "tau_neg": 1.05}
 optim.lr = 0.0001

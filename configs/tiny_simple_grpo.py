@@ -4,10 +4,8 @@
 # cell: simple_grpo lr=0.0001 staleness=0 seed=0 steps=22
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.069 ± 0.033;
 # stale by one batch at this lr +0.007 ± 0.031; at its best stale lr (3e-05) +0.049 ± 0.026.
-import os
-import sys
 
-exec(open(os.path.join(os.path.dirname(sys._getframe().f_code.co_filename), "tiny.py")).read())  # the tiny base
+include("tiny.py")  # the tiny base
 loss.name = "simple_grpo"
 loss.kwargs = {"beta": 0.0}
 optim.lr = 0.0001

@@ -32,11 +32,11 @@ from demo import run_phase  # noqa: E402  (scripts/demo.py: the trainer in a sub
 
 
 def backend(cfg):
-    """The generator the run used: "auto" resolved the way rollout.build_generator resolves it."""
+    """The generator the run used: "auto" resolved the way engine.build_generator resolves it."""
     if cfg["rollout"]["backend"] != "auto":
         return cfg["rollout"]["backend"]
-    import rollout
-    return "auto: " + rollout.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
+    import engine
+    return "auto: " + engine.default_backend(cfg["model"]["path"], cfg["rollout"]["max_tokens"],
                                                 colocated=cfg["dist"]["generator_ranks"] == 0)
 
 

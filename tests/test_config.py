@@ -55,6 +55,20 @@ def test_cli_errors(argv, message):
     assert message in str(e.value)
 
 
+def test_a_config_includes_its_base_relative_to_itself(tmp_path):
+    """`include("base.py")` inside a config file runs that file there, named relative to the including file (so a
+    recipe in configs/ includes "tiny.py" wherever it is launched from); a missing one names its path."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "base.py").write_text("loss.beta = 0.5\ntrain.steps = 7\n")
+    (tmp_path / "sub" / "mid.py").write_text('include("base.py")\ntrain.steps = 9\n')
+    (tmp_path / "top.py").write_text('include("sub/mid.py")\nloss.beta = 0.25\n')
+    out = config.parse(sections(), [str(tmp_path / "top.py")])
+    assert (out["loss"].beta, out["train"].steps) == (0.25, 9)
+    (tmp_path / "bad.py").write_text('include("nope.py")\n')
+    with pytest.raises(config.ConfigError, match=f"config file not found: {tmp_path}/nope.py"):
+        config.parse(sections(), [str(tmp_path / "bad.py")])
+
+
 @pytest.mark.parametrize("code,message", [
     ("loss.bta = 1\n", "did you mean 'loss.beta'"),
     ("lsos.beta = 1\n", "did you mean 'loss'"),

