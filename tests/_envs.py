@@ -2,7 +2,8 @@
 
 Single: the single-turn loop written as an env (the opening prompt is data.prompt_ids', the first reply is final):
 a run with it must log exactly the numbers a run without an env logs. Mixed: each problem gets one of the three
-built-ins (by its question), so one torchrun run plays all three on a dedicated generator rank.
+built-ins (by its question), so one torchrun run plays all three on a dedicated generator rank. digit_share: a
+reward a random tiny model earns in varying amounts, so that every group carries signal and an update moves.
 """
 import zlib
 
@@ -31,3 +32,7 @@ class Mixed:
 
     def step(self, text):
         return self.env.step(text)
+
+
+def digit_share(prompt, response, target):
+    return sum(c.isdigit() for c in response) / max(len(response), 1)

@@ -183,8 +183,6 @@ def test_readme_cpu_blocks_run(tmp_path):
         res = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=240)
         assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "cpu" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2]
     for run in ("tiny", "tiny_2ranks"):  # the "Run it" commands, 3 steps each, with an HF export
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if "perf/step_s" in r] == [1, 2, 3], run
