@@ -56,6 +56,19 @@ def run_one(name, init, out):
     return [{k: v for k, v in r.items() if not k.startswith(WALL) and k not in WALL_KEYS} for r in rows]
 
 
+# stale_refill differs from run to run by <= 1e-6 relative with the same code, on the commit before the golden
+# harness too (fp32 sums in another order somewhere in its stale, refilled, two-minibatch update): it is compared
+# to NOISY relative; every other run must match to the last bit.
+NOISY = {"stale_refill": 1e-5}
+
+
+def same(a, b, name):
+    if a == b:
+        return True
+    tol = NOISY.get(name, 0.0)
+    return isinstance(a, float) and isinstance(b, float) and abs(a - b) <= tol * max(abs(a), abs(b))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--save", help="write the metrics here")
@@ -81,7 +94,7 @@ def main():
         want, bad = json.loads(Path(args.check).read_text()), 0
         for name in args.only:
             for i, (a, b) in enumerate(zip(want[name], got[name])):
-                moved = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                moved = sorted(k for k in set(a) | set(b) if not same(a.get(k), b.get(k), name))
                 for k in moved[:5]:
                     print(f"{name} row {i} {k}: {a.get(k)} -> {b.get(k)}")
                 bad += len(moved)
