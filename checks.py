@@ -1,15 +1,18 @@
-"""Config-time checks of both trainers: a bad config fails in a second, naming its field and value, before a model,
-an inference engine or a process group exists.
+"""Config-time checks of both trainers: a bad config fails in a second, naming its field and value,
+before a model, an inference engine or a process group exists.
 
-    checks.grpo(cfg, world_size)     train_grpo.py's config (and loss_kwargs: what its loss class receives)
+    checks.grpo(cfg, world_size)     train_grpo.py's config (and loss_kwargs: what its loss class
+                                     receives)
     checks.sft(cfg, world_size)      train_sft.py's config
 
-Each is a table of (field, valid?, what it must be) rows, then the cross-field and outside-world checks: the world
-size against the rank layout (generator ranks, tensor parallel, data-parallel divisibility, a GPU per rank), the
-model path, the data source and a user's loader, the rewards, the loss and its keyword arguments, the logging
-extras and the checkpoint to resume from. Nothing here loads a model or opens a network connection: a hub name is
-checked for its shape only (run.resolve_model downloads it later and fails naming it).
-Left out: checks that need the model (a prompt longer than the model's context is found when the tasks load).
+Each is a table of (field, valid?, what it must be) rows, then the cross-field and outside-world
+checks: the world size against the rank layout (generator ranks, tensor parallel, data-parallel
+divisibility, a GPU per rank), the model path, the data source and a user's loader, the rewards, the
+loss and its keyword arguments, the logging extras and the checkpoint to resume from. Nothing here
+loads a model or opens a network connection: a hub name is checked for its shape only
+(run.resolve_model downloads it later and fails naming it).
+Left out: checks that need the model (a prompt longer than the model's context is found when the
+tasks load).
 """
 import importlib.util
 import inspect
@@ -28,41 +31,51 @@ import rewards
 
 
 def fields(cfg, rules):
-    """Raise for the first (field, ok, need) row whose `ok` is False; the message names the field and its value."""
+    """Raise for the first (field, ok, need) row whose `ok` is False; the message names the field
+    and its value."""
     for name, ok, need in rules:
         if not ok:
             section, key = name.split(".")
-            raise config.ConfigError(f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
+            raise config.ConfigError(
+                f"{name}={getattr(getattr(cfg, section), key)!r} must be {need}")
 
 
 def optim_rules(c):
-    """The rows both trainers share: dtype, optimizer, schedule, loop, timeouts, checkpoints, compile."""
-    return [("model.dtype", c.model.dtype in ("float32", "bfloat16", "auto"), "float32, bfloat16 or auto"),
+    """The rows both trainers share: dtype, optimizer, schedule, loop, timeouts, checkpoints,
+    compile."""
+    return [("model.dtype", c.model.dtype in ("float32", "bfloat16", "auto"),
+             "float32, bfloat16 or auto"),
             ("optim.lr", c.optim.lr > 0, "> 0"), ("optim.grad_clip", c.optim.grad_clip > 0, "> 0"),
             ("optim.weight_decay", c.optim.weight_decay >= 0, ">= 0"),
             ("optim.warmup_steps", c.optim.warmup_steps >= 0, ">= 0"),
             ("optim.schedule", c.optim.schedule in ("constant", "cosine"), "constant or cosine"),
             ("optim.min_lr_ratio", 0 <= c.optim.min_lr_ratio <= 1, "in [0, 1]"),
-            ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas), "two values in [0, 1)"),
+            ("optim.betas", len(c.optim.betas) == 2 and all(0 <= b < 1 for b in c.optim.betas),
+             "two values in [0, 1)"),
             ("data.max_bad_fraction", 0 <= c.data.max_bad_fraction <= 1, "in [0, 1]"),
-            ("train.steps", c.train.steps >= 1, ">= 1"), ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
+            ("train.steps", c.train.steps >= 1, ">= 1"),
+            ("train.micro_batch", c.train.micro_batch >= 1, ">= 1"),
             ("train.max_skipped_steps", c.train.max_skipped_steps >= 1, ">= 1"),
-            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"), ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)"),
-            ("dist.compile", not (c.dist.compile and c.dist.tp > 1), f"False with dist.tp={c.dist.tp}: "
+            ("dist.timeout_s", c.dist.timeout_s > 0, "> 0"),
+            ("ckpt.every", c.ckpt.every >= 0, ">= 0 (0 = off)"),
+            ("dist.compile", not (c.dist.compile and c.dist.tp > 1),
+             f"False with dist.tp={c.dist.tp}: "
              "torch.compile of tensor-parallel (DTensor) blocks fails while tracing in torch 2.13")]
 
 
 def single_turn_options(cfg):
-    """Any base config takes any env, as it takes any loss: what a single-turn recipe set that episodes read
-    differently is adjusted with a one-line note instead of refused."""
+    """Any base config takes any env, as it takes any loss: what a single-turn recipe set that
+    episodes read differently is adjusted with a one-line note instead of refused."""
     r, say = cfg.rollout, lambda msg: print("note: " + msg, file=sys.stderr)
     if r.env and r.overlong_cache:  # it reads one reply's length; an episode holds several
-        say(f"rollout.overlong_cache={r.overlong_cache} dropped (set to 0): DAPO's overlong shaping is single-turn "
-            "(with rollout.env, rollout.max_tokens still caps each reply)")
+        say(f"rollout.overlong_cache={r.overlong_cache} dropped (set to 0): DAPO's overlong "
+            "shaping is single-turn (with rollout.env, rollout.max_tokens still caps each reply)")
         r.overlong_cache = 0
-    if r.env and 0 < r.max_tokens and r.max_episode_tokens < r.max_tokens:  # not even one reply would fit
-        say(f"rollout.max_episode_tokens={r.max_episode_tokens} raised to rollout.max_turns x rollout.max_tokens = "
-            f"{r.max_turns * r.max_tokens}: an episode must fit one whole reply")
+    # not even one reply would fit
+    if r.env and 0 < r.max_tokens and r.max_episode_tokens < r.max_tokens:
+        say(f"rollout.max_episode_tokens={r.max_episode_tokens} raised to "
+            f"rollout.max_turns x rollout.max_tokens = {r.max_turns * r.max_tokens}: an episode "
+            "must fit one whole reply")
         r.max_episode_tokens = r.max_turns * r.max_tokens
 
 
@@ -71,7 +84,8 @@ def grpo(cfg, world_size):
     err, c = config.ConfigError, cfg
     single_turn_options(cfg)
     fields(cfg, optim_rules(c) + [
-        ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits, ">= 1 and <= data.max_digits"),
+        ("data.min_digits", 1 <= c.data.min_digits <= c.data.max_digits,
+         ">= 1 and <= data.max_digits"),
         ("data.max_prompt_tokens", c.data.max_prompt_tokens >= 1, ">= 1"),
         ("data.long_prompts", c.data.long_prompts in ("drop", "truncate"), "drop or truncate"),
         ("rollout.prompts_per_step", c.rollout.prompts_per_step >= 1, ">= 1"),
@@ -104,7 +118,8 @@ def grpo(cfg, world_size):
         ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
         ("eval.pass_k", c.eval.pass_k >= 0, ">= 0 (0 = off)"),
         ("log.run", bool(c.log.run), "a non-empty name"),
-        ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1, ">= 0 (0: every step), -1 never")])
+        ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1,
+         ">= 0 (0: every step), -1 never")])
     outside_world(cfg)
     rewards.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
@@ -114,37 +129,45 @@ def grpo(cfg, world_size):
         loss_cls(**kw)
     except (TypeError, ValueError) as e:
         own = inspect.signature(loss_cls).parameters
-        raise err(f"loss.kwargs: {e}" + "".join(config._closest(k, own) for k in kw if k not in own)) from None
+        raise err(f"loss.kwargs: {e}"
+                  + "".join(config._closest(k, own) for k in kw if k not in own)) from None
     stale = cfg.rollout.max_staleness or cfg.train.ppo_epochs * cfg.train.minibatches > 1
     if cfg.loss.name == "simple_grpo" and stale:
-        # a warning, not a refusal: the loss comparison measures exactly this case (scripts/compare.py)
-        print("warning: loss.name='simple_grpo' ignores old logprobs (its ratio is always 1), so with "
-              f"rollout.max_staleness={cfg.rollout.max_staleness}, train.ppo_epochs={cfg.train.ppo_epochs}, "
-              f"train.minibatches={cfg.train.minibatches} nothing corrects for the stale policy; use 'grpo' "
-              "for off-policy or multi-update training", file=sys.stderr)
+        # a warning, not a refusal: the loss comparison measures exactly this case
+        # (scripts/compare.py)
+        print("warning: loss.name='simple_grpo' ignores old logprobs (its ratio is always 1), so "
+              f"with rollout.max_staleness={cfg.rollout.max_staleness}, "
+              f"train.ppo_epochs={cfg.train.ppo_epochs}, train.minibatches={cfg.train.minibatches} "
+              "nothing corrects for the stale policy; use 'grpo' for off-policy or multi-update "
+              "training", file=sys.stderr)
     config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
     if cfg.loss.adv in ("grpo", "dr_grpo", "rloo") and cfg.rollout.group_size < 2:
-        raise err(f"rollout.group_size={cfg.rollout.group_size}: group advantages need at least 2 samples")
+        raise err(f"rollout.group_size={cfg.rollout.group_size}: group advantages need at least 2 "
+                  "samples")
     if not 0 <= cfg.dist.generator_ranks < world_size:
-        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size {world_size}"
-                  " (at least one trainer rank)")
-    try:  # a GPU per rank: a trainer and a vLLM engine never share one (device_count asks NVML: CUDA stays untouched)
+        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size "
+                  f"{world_size} (at least one trainer rank)")
+    # a GPU per rank: a trainer and a vLLM engine never share one (device_count asks NVML: CUDA
+    # stays untouched)
+    try:
         dist.check_gpu_layout(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())
     except ValueError as e:
-        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks}, world size {world_size}: {e}") from None
+        raise err(f"dist.generator_ranks={cfg.dist.generator_ranks}, world size {world_size}: "
+                  f"{e}") from None
     num_trainers = world_size - cfg.dist.generator_ranks
     if num_trainers % cfg.dist.tp:
         raise err(f"dist.tp={cfg.dist.tp} does not divide the {num_trainers} trainer ranks")
     dp = num_trainers // cfg.dist.tp
     if cfg.rollout.prompts_per_step % dp:
-        raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
-                  f"data-parallel size {dp}")
+        raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by "
+                  f"the data-parallel size {dp}")
 
 
 def loss_kwargs(cfg, say=None):
-    """loss.kwargs for loss.name. A key this loss does not take but another loss does (a base config's GRPO `agg`
-    under --loss.name=simple_grpo) is dropped, and `say` is told which; a key no loss takes is left in, so the
-    loss's own error names it (grpo() adds the closest key this loss does take)."""
+    """loss.kwargs for loss.name. A key this loss does not take but another loss does (a base
+    config's GRPO `agg` under --loss.name=simple_grpo) is dropped, and `say` is told which; a key no
+    loss takes is left in, so the loss's own error names it (grpo() adds the closest key this loss
+    does take)."""
     cls = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")
     others = [set(inspect.signature(c).parameters) for c in losses.LOSSES.values()]
     own = set(inspect.signature(cls).parameters)
@@ -152,7 +175,8 @@ def loss_kwargs(cfg, say=None):
     if say and (dropped := sorted(set(cfg.loss.kwargs) - set(kw))):
         say(f"note: loss.kwargs {dropped} dropped: {cls.__name__} does not take them")
     if "max_tokens" in own:
-        kw.setdefault("max_tokens", cfg.rollout.max_tokens)  # Dr.GRPO's constant C = generation budget
+        # Dr.GRPO's constant C = generation budget
+        kw.setdefault("max_tokens", cfg.rollout.max_tokens)
     return kw
 
 
@@ -162,21 +186,23 @@ def sft(cfg, world_size):
     if world_size % c.dist.tp:
         raise config.ConfigError(f"dist.tp={c.dist.tp} does not divide the world size {world_size}")
     if c.train.batch_size % (world_size // c.dist.tp):
-        raise config.ConfigError(f"train.batch_size={c.train.batch_size} is not divisible by the data-parallel "
-                                 f"size {world_size // c.dist.tp}")
+        raise config.ConfigError(f"train.batch_size={c.train.batch_size} is not divisible by the "
+                                 f"data-parallel size {world_size // c.dist.tp}")
     fields(cfg, optim_rules(c) + [
         ("data.max_seq_tokens", c.data.max_seq_tokens >= 1, ">= 1"),
         ("data.pack_len", c.data.pack_len == 0 or c.data.pack_len >= c.data.max_seq_tokens,
          f"0 or >= data.max_seq_tokens={c.data.max_seq_tokens}"),
         ("train.batch_size", c.train.batch_size >= 1, ">= 1"),
-        ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"), ("eval.max_tokens", c.eval.max_tokens >= 1, ">= 1"),
+        ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
+        ("eval.max_tokens", c.eval.max_tokens >= 1, ">= 1"),
         ("eval.stop_at_accuracy", 0 <= c.eval.stop_at_accuracy <= 1, "in [0, 1] (0 = off)")])
     outside_world(cfg)
 
 
 # ---- what lies outside the config: files, modules, extras ----------------------------------------
 def outside_world(cfg):
-    """Both trainers: the checkpoint to resume from, the data, the logging extras, the model path."""
+    """Both trainers: the checkpoint to resume from, the data, the logging extras, the model
+    path."""
     check_resume(cfg.ckpt.resume)
     check_data(cfg.data)
     check_logging(cfg.log)
@@ -187,21 +213,25 @@ def check_resume(resume):
     """"", "auto", or a complete step_<N> checkpoint directory."""
     if resume not in ("", "auto") and not (Path(resume).name.removeprefix("step_").isdigit()
                                            and checkpoint.is_complete(resume)):
-        raise config.ConfigError(f"ckpt.resume={resume!r} is not a complete checkpoint (a step_<N> directory with "
-                                 "a COMPLETE marker); use 'auto' for the newest complete one")
+        raise config.ConfigError(f"ckpt.resume={resume!r} is not a complete checkpoint (a step_<N> "
+                                 "directory with a COMPLETE marker); use 'auto' for the newest "
+                                 "complete one")
 
 
 def _looks_local(source):
-    return source.startswith((".", "/", "~")) or Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv")
+    return (source.startswith((".", "/", "~"))
+            or Path(source).suffix in (".jsonl", ".json", ".parquet", ".csv"))
 
 
 def check_data(d):
-    """A dataset is "arith", "code", "gsm8k" or a user's loader "module:function" / "file.py:function" (it imports);
-    a source that names a local file or directory exists (a hub name is not checked: it is downloaded when loaded)."""
+    """A dataset is "arith", "code", "gsm8k" or a user's loader
+    "module:function" / "file.py:function" (it imports); a source that names a local file or
+    directory exists (a hub name is not checked: it is downloaded when loaded)."""
     config.named(d.name, dict.fromkeys(("arith", "code", "gsm8k")), "data.name", "dataset")
     for field in ("source", "eval_source"):
         source = getattr(d, field)
-        if d.name not in ("arith", "code") and source and _looks_local(source) and not Path(source).exists():
+        if (d.name not in ("arith", "code") and source and _looks_local(source)
+                and not Path(source).exists()):
             raise config.ConfigError(f"data.{field}: no such file or directory: {source}")
 
 
@@ -209,22 +239,26 @@ def check_logging(log):
     """W&B and TensorBoard are an optional extra, pinned in requirements-extra.txt."""
     for flag in ("wandb", "tensorboard"):
         if getattr(log, flag) and importlib.util.find_spec(flag) is None:
-            raise config.ConfigError(f"log.{flag}=True needs `pip install {flag}`: the optional extra, pinned in "
-                                     "requirements-extra.txt (`make extras`, or pip install -r requirements-extra.txt)")
+            raise config.ConfigError(f"log.{flag}=True needs `pip install {flag}`: the optional "
+                                     "extra, pinned in requirements-extra.txt (`make extras`, or "
+                                     "pip install -r requirements-extra.txt)")
     netrc = Path("~/.netrc").expanduser()
-    logged_in = os.environ.get("WANDB_API_KEY") or netrc.exists() and "api.wandb.ai" in netrc.read_text()
+    logged_in = (os.environ.get("WANDB_API_KEY")
+                 or netrc.exists() and "api.wandb.ai" in netrc.read_text())
     if log.wandb and os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not logged_in:
         # wandb.init would fail only after the model is loaded
-        raise config.ConfigError("log.wandb=True: no W&B API key (run `wandb login` or set WANDB_API_KEY), "
-                                 "or set WANDB_MODE=offline to log to files only")
+        raise config.ConfigError("log.wandb=True: no W&B API key (run `wandb login` or set "
+                                 "WANDB_API_KEY), or set WANDB_MODE=offline to log to files only")
 
 
 def check_model_path(path, field="model.path"):
-    """"tiny:<dir>[@seed]", a local checkpoint (config.json), or what looks like a hub name ("org/name" that is not a
-    local path; run.resolve_model downloads it and fails naming it). `field`: the config field it came from."""
+    """"tiny:<dir>[@seed]", a local checkpoint (config.json), or what looks like a hub name
+    ("org/name" that is not a local path; run.resolve_model downloads it and fails naming it).
+    `field`: the config field it came from."""
     if not path or path == "tiny:":
-        raise config.ConfigError(f"{field} is empty: give a checkpoint directory, a hub name or tiny:<dir>")
+        raise config.ConfigError(
+            f"{field} is empty: give a checkpoint directory, a hub name or tiny:<dir>")
     looks_local = path.startswith((".", "/", "~")) or Path(path).exists() or path.count("/") != 1
     if looks_local and not path.startswith("tiny:") and not Path(path, "config.json").exists():
-        raise config.ConfigError(f"{field}: no config.json in {path} (a checkpoint directory; `tiny:{path}` "
-                                 "would make a random tiny model there)")
+        raise config.ConfigError(f"{field}: no config.json in {path} (a checkpoint directory; "
+                                 f"`tiny:{path}` would make a random tiny model there)")

@@ -1,52 +1,61 @@
 """Rollout generation: turn prompt token ids into sampled completions with per-token logprobs.
 
-Two backends behind one API, chosen by `rollout.backend = "vllm" | "torch" | "auto"` (auto: vLLM on a GPU; on CPU
-whichever was measured faster for the configured layout, model size and generation length: engine.default_backend):
+Two backends behind one API, chosen by `rollout.backend = "vllm" | "torch" | "auto"` (auto: vLLM on
+a GPU; on CPU whichever was measured faster for the configured layout, model size and generation
+length: engine.default_backend):
 
     gen = make_generator("vllm", "path/to/hf_ckpt")
-    groups = gen.generate(prompt_ids, n=8, temperature=1.0, max_tokens=256, stop_token_ids=tok.eos_token_ids)
+    groups = gen.generate(prompt_ids, n=8, temperature=1.0, max_tokens=256,
+                          stop_token_ids=tok.eos_token_ids)
     groups[i][j].token_ids, groups[i][j].logprobs        # prompt i, sample j
     gen.update_weights(model.named_parameters(), version=step)   # after each optimizer step
 
-* `VLLMGenerator`: an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the model lives in this
-  process and we can reach its weights). Prompts go in as token ids and nothing is detokenised in the hot path
-  (SamplingParams(detokenize=False), skip_tokenizer_init): text is decoded once per batch at the end, which is
-  ~10x faster on CPU. KV-cache memory is an explicit byte count, never a fraction of the machine (vLLM's default
-  0.92 of RAM is refused on a shared CPU box); `max_num_seqs` should be >= prompts * n so a rollout batch is one
-  engine batch.
-* `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated KVCache (once per
-  prompt, its keys then shared by its n samples), then one batched decode step per token with temperature, top-k, top-p
-  sampling and per-row stop tokens; finished rows leave the decode batch (their KV rows are dropped) so they stop
-  costing work; on CPU in fp32 its large Linears run on oneDNN-reordered weights (machine.onednn_weights). For
-  machines without vLLM, and as the reference in tests.
+* `VLLMGenerator`: an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, so the model lives
+  in this process and we can reach its weights). Prompts go in as token ids and nothing is
+  detokenised in the hot path (SamplingParams(detokenize=False), skip_tokenizer_init): text is
+  decoded once per batch at the end, which is ~10x faster on CPU. KV-cache memory is an explicit
+  byte count, never a fraction of the machine (vLLM's default 0.92 of RAM is refused on a shared CPU
+  box); `max_num_seqs` should be >= prompts * n so a rollout batch is one engine batch.
+* `TorchGenerator`: the same API over model.py: left-padded batched prefill into a preallocated
+  KVCache (once per prompt, its keys then shared by its n samples), then one batched decode step per
+  token with temperature, top-k, top-p sampling and per-row stop tokens; finished rows leave the
+  decode batch (their KV rows are dropped) so they stop costing work; on CPU in fp32 its large
+  Linears run on oneDNN-reordered weights (machine.onednn_weights). For machines without vLLM, and
+  as the reference in tests.
 
-Logprobs. Each Completion carries logp_t = log softmax(logits_t / T)[token_t] in fp32: the log-probability under the
-policy that actually sampled (vLLM's `logprobs_mode="processed_logprobs"`); model.py's forward(targets=,
-temperature=T) computes the same quantity. Why the tempered policy and not the raw one: the losses' old_logprobs
-(PPO ratio) and truncated importance sampling correct for the behaviour policy, and sampling at T != 1 *is* a
-different policy from the T=1 model. At T=0 (greedy) there is no tempering: logp = log softmax(logits). Known gap:
-with top-k/top-p on, the behaviour policy is renormalised over the kept tokens; both generators report that
-renormalised logp (they sample from it), while the trainer's log_softmax(logits/T) is not renormalised. The two
-differ by log(mass of the kept tokens); leave top_k/top_p off for RL, or accept that bias.
+Logprobs. Each Completion carries logp_t = log softmax(logits_t / T)[token_t] in fp32: the
+log-probability under the policy that actually sampled (vLLM's
+`logprobs_mode="processed_logprobs"`); model.py's forward(targets=, temperature=T) computes the same
+quantity. Why the tempered policy and not the raw one: the losses' old_logprobs (PPO ratio) and
+truncated importance sampling correct for the behaviour policy, and sampling at T != 1 *is* a
+different policy from the T=1 model. At T=0 (greedy) there is no tempering: logp = log
+softmax(logits). Known gap: with top-k/top-p on, the behaviour policy is renormalised over the kept
+tokens; both generators report that renormalised logp (they sample from it), while the trainer's
+log_softmax(logits/T) is not renormalised. The two differ by log(mass of the kept tokens); leave
+top_k/top_p off for RL, or accept that bias.
 
-Stop tokens: `stop_token_ids=None` means the checkpoint's eos ids (generation_config.json, else config.json).
-The stop token is kept in token_ids (with its logprob) and finish_reason is "stop"; hitting max_tokens (or
-max_model_len) is "length". A stop token on the last allowed step counts as "stop", as in vLLM.
+Stop tokens: `stop_token_ids=None` means the checkpoint's eos ids (generation_config.json, else
+config.json). The stop token is kept in token_ids (with its logprob) and finish_reason is "stop";
+hitting max_tokens (or max_model_len) is "length". A stop token on the last allowed step counts as
+"stop", as in vLLM.
 
-Start order on a torchrun rank (dedicated generator ranks, and colocated mode where every rank hosts an engine):
-build VLLMGenerator FIRST, then call gen.release_default_group(), then dist.init_process_group(). vLLM's engine
-start calls init_process_group itself (a private 1-rank file:// group) when torch.distributed is not initialised;
-if the torchrun world already exists it adopts it instead and makes a series of collective new_group() calls over
-all ranks, which the trainer ranks never join: a deadlock. release_default_group() destroys the private group
-(vLLM's groups all have size 1 and never communicate) and detaches vLLM's shutdown finalizer, which would otherwise
-destroy *our* world group at exit. In plain python (a world of 1) it is harmless to call.
+Start order on a torchrun rank (dedicated generator ranks, and colocated mode where every rank hosts
+an engine): build VLLMGenerator FIRST, then call gen.release_default_group(), then
+dist.init_process_group(). vLLM's engine start calls init_process_group itself (a private 1-rank
+file:// group) when torch.distributed is not initialised; if the torchrun world already exists it
+adopts it instead and makes a series of collective new_group() calls over all ranks, which the
+trainer ranks never join: a deadlock. release_default_group() destroys the private group (vLLM's
+groups all have size 1 and never communicate) and detaches vLLM's shutdown finalizer, which would
+otherwise destroy *our* world group at exit. In plain python (a world of 1) it is harmless to call.
 
-On a GPU (engine_args): CUDA graphs unless `enforce_eager`; KV memory an explicit byte count, with vLLM's
-`gpu_memory_utilization x total` check made first with an error naming the config field; colocated, the engine has
-`enable_sleep_mode=True` and sleeps around the update, waking weights -> load -> KV cache (vLLM 0.32's order and
-where it is in its source: docs/gpu.md). On CPU the same calls run, so the order is tested there.
+On a GPU (engine_args): CUDA graphs unless `enforce_eager`; KV memory an explicit byte count, with
+vLLM's `gpu_memory_utilization x total` check made first with an error naming the config field;
+colocated, the engine has `enable_sleep_mode=True` and sleeps around the update, waking weights ->
+load -> KV cache (vLLM 0.32's order and where it is in its source: docs/gpu.md). On CPU the same
+calls run, so the order is tested there.
 
-Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA, stop strings.
+Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA,
+stop strings.
 """
 import json
 import os
@@ -63,13 +72,16 @@ import seeds
 @dataclass
 class Completion:
     prompt_ids: list[int]
-    token_ids: list[int]           # generated tokens, stop token included when finish_reason == "stop"
+    token_ids: list[int]           # generated tokens, stop token included when finish_reason ==
+    #                                "stop"
     text: str                      # decoded once at the end, special tokens skipped
-    logprobs: list[float]          # fp32 log softmax(logits/T) at each generated token (see module docstring)
+    logprobs: list[float]          # fp32 log softmax(logits/T) at each generated token (see module
+    #                                docstring)
     finish_reason: str             # "stop" | "length"
     generator_version: int         # weight version that produced it (see update_weights)
     metadata: dict = field(default_factory=dict)
-    mask: list[int] | None = None  # a multi-turn episode's loss mask: 1 sampled, 0 env tokens (episodes.py)
+    mask: list[int] | None = None  # a multi-turn episode's loss mask: 1 sampled, 0 env tokens
+    #                                (episodes.py)
 
 
 def make_generator(backend: str, model_path, **kw):
@@ -81,17 +93,21 @@ def make_generator(backend: str, model_path, **kw):
 
 
 def check_completions(groups, num_prompts: int, n: int):
-    """A generator that silently drops samples would surface later as a shape error far from the cause."""
+    """A generator that silently drops samples would surface later as a shape error far from the
+    cause."""
     if len(groups) != num_prompts:
-        raise RuntimeError(f"generator returned {len(groups)} completion groups for {num_prompts} prompts")
+        raise RuntimeError(
+            f"generator returned {len(groups)} completion groups for {num_prompts} prompts")
     for i, g in enumerate(groups):
         if len(g) != n:
-            raise RuntimeError(f"generator returned {len(g)} completions for prompt {i}, expected n={n}")
+            raise RuntimeError(
+                f"generator returned {len(g)} completions for prompt {i}, expected n={n}")
     return groups
 
 
 def eos_token_ids(model_path) -> list[int]:
-    """The checkpoint's end-of-sequence ids: generation_config.json first (it may list several), then config.json."""
+    """The checkpoint's end-of-sequence ids: generation_config.json first (it may list several),
+    then config.json."""
     for name in ("generation_config.json", "config.json"):
         f = Path(model_path) / name
         if f.exists():
@@ -113,75 +129,91 @@ def _decoder(model_path):
 
 def _check_args(prompt_ids, n, temperature, max_tokens):
     if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-        raise ValueError("generate needs a non-empty list of non-empty prompts (lists of token ids)")
+        raise ValueError(
+            "generate needs a non-empty list of non-empty prompts (lists of token ids)")
     if n < 1 or max_tokens < 1 or temperature < 0:
-        raise ValueError(f"need n >= 1, max_tokens >= 1, temperature >= 0 (got {n}, {max_tokens}, {temperature})")
+        raise ValueError(f"need n >= 1, max_tokens >= 1, temperature >= 0 (got {n}, {max_tokens}, "
+                         f"{temperature})")
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # vLLM
 
 
-def engine_args(device_type, *, colocated, kv_cache_memory_bytes, gpu_memory_utilization=0.9, enforce_eager=None,
-                free_bytes=0, total_bytes=0) -> dict:
-    """The device-dependent LLM(...) arguments (module docstring), a pure function: tests pass made-up GPU numbers.
-    vLLM 0.32 refuses enable_sleep_mode on CPU (config/model.py ModelConfig.__post_init__), and on CUDA raises unless
-    free memory >= gpu_memory_utilization x total (v1/worker/utils.py request_memory): checked here first."""
+def engine_args(device_type, *, colocated, kv_cache_memory_bytes, gpu_memory_utilization=0.9,
+                enforce_eager=None, free_bytes=0, total_bytes=0) -> dict:
+    """The device-dependent LLM(...) arguments (module docstring), a pure function: tests pass
+    made-up GPU numbers. vLLM 0.32 refuses enable_sleep_mode on CPU (config/model.py
+    ModelConfig.__post_init__), and on CUDA raises unless free
+    memory >= gpu_memory_utilization x total (v1/worker/utils.py request_memory): checked here
+    first."""
     args = dict(kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enforce_eager=device_type != "cuda" if enforce_eager is None else enforce_eager)
     if device_type != "cuda":
         return args
     u, gib = gpu_memory_utilization, 2**30
     if u * total_bytes > free_bytes:
-        raise ValueError(f"rollout.gpu_memory_utilization={u} asks vLLM for {u * total_bytes / gib:.1f} of the GPU's "
-                         f"{total_bytes / gib:.1f} GiB, but only {free_bytes / gib:.1f} GiB is free: use at most "
+        raise ValueError(f"rollout.gpu_memory_utilization={u} asks vLLM for "
+                         f"{u * total_bytes / gib:.1f} of the GPU's {total_bytes / gib:.1f} GiB, "
+                         f"but only {free_bytes / gib:.1f} GiB is free: use at most "
                          f"{int(free_bytes / total_bytes * 100) / 100}")
     if kv_cache_memory_bytes >= u * total_bytes:
-        raise ValueError(f"rollout.kv_cache_mb={kv_cache_memory_bytes >> 20} does not fit in vLLM's budget, "
-                         f"rollout.gpu_memory_utilization={u} x {total_bytes / gib:.1f} GiB, which holds the "
-                         "weights too")
+        raise ValueError(f"rollout.kv_cache_mb={kv_cache_memory_bytes >> 20} does not fit in "
+                         f"vLLM's budget, rollout.gpu_memory_utilization={u} x "
+                         f"{total_bytes / gib:.1f} GiB, which holds the weights too")
     return {**args, "gpu_memory_utilization": u, "enable_sleep_mode": colocated}
 
 
 def request_seed(seed, k):
-    """The k-th request of a generate() call seeded `seed` (seeds.py: its own stream, never another call's)."""
+    """The k-th request of a generate() call seeded `seed` (seeds.py: its own stream, never another
+    call's)."""
     return seeds.seed(seed, "request", k)
 
 
 class VLLMGenerator:
-    def __init__(self, model_path, *, max_model_len=1024, kv_cache_memory_bytes=256 << 20, max_num_seqs=256,
-                 dtype="float32", seed=0, enforce_eager=None, gpu_memory_utilization=0.9, colocated=False):
+    def __init__(self, model_path, *, max_model_len=1024, kv_cache_memory_bytes=256 << 20,
+                 max_num_seqs=256, dtype="float32", seed=0, enforce_eager=None,
+                 gpu_memory_utilization=0.9, colocated=False):
         # In-process engine: required to reach the model runner for in-place weight updates.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         nccl_env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
         from vllm import LLM
         cuda = torch.cuda.is_available()
         free, total = torch.cuda.mem_get_info() if cuda else (0, 0)
-        mem = engine_args("cuda" if cuda else "cpu", colocated=colocated, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-                          free_bytes=free, total_bytes=total)
-        self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       seed=seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", **mem,
-                       # NOTE: no chunked prefill. A prompt split across engine steps makes vLLM rewind the
-                       # request's seeded torch.Generator, which CPU generators cannot do (RuntimeError "CPU
-                       # Generator does not use offset", vLLM 0.32). Whole prompts need a budget >= max_model_len.
-                       enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
-        self.model_path, self.max_num_seqs, self.version, self.asleep = str(model_path), max_num_seqs, 0, False
+        mem = engine_args("cuda" if cuda else "cpu", colocated=colocated,
+                          kv_cache_memory_bytes=kv_cache_memory_bytes,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          enforce_eager=enforce_eager, free_bytes=free, total_bytes=total)
+        self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, seed=seed, skip_tokenizer_init=True,
+                       logprobs_mode="processed_logprobs", **mem,
+                       # NOTE: no chunked prefill. A prompt split across engine steps makes vLLM
+                       # rewind the request's seeded torch.Generator, which CPU generators cannot do
+                       # (RuntimeError "CPU Generator does not use offset", vLLM 0.32). Whole
+                       # prompts need a budget >= max_model_len.
+                       enable_chunked_prefill=False,
+                       max_num_batched_tokens=max(4096, max_model_len))
+        self.model_path, self.max_num_seqs, self.version, self.asleep = (
+            str(model_path), max_num_seqs, 0, False)
         self.eos_ids, self._decode = eos_token_ids(model_path), _decoder(model_path)
         changed = {k for k in nccl_env.keys() | os.environ.keys() if k.startswith("NCCL_")
                    and nccl_env.get(k) != os.environ.get(k)}
-        if changed and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # dist.rank_env set them alike on every rank; a
-            # rank whose NCCL settings differ from its peers' can break the weight broadcast
-            raise RuntimeError(f"building the vLLM engine changed {sorted(changed)} on this rank only: set them for "
-                               "the whole job (e.g. NCCL_CUMEM_ENABLE=0 torchrun ...)")
+        # dist.rank_env set them alike on every rank; a rank whose NCCL settings differ from its
+        # peers' can break the weight broadcast
+        if changed and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            raise RuntimeError(f"building the vLLM engine changed {sorted(changed)} on this rank "
+                               "only: set them for the whole job (e.g. NCCL_CUMEM_ENABLE=0 "
+                               "torchrun ...)")
 
     def release_default_group(self):
-        """Call after __init__ and before dist.init_process_group() (see the module docstring for why)."""
+        """Call after __init__ and before dist.init_process_group() (see the module docstring for
+        why)."""
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()  # vLLM's private 1-rank group (and its size-1 subgroups)
-        # NOTE: private attribute. vLLM's finalizer runs destroy_model_parallel + destroy_process_group at exit,
-        # which would raise on the dead groups above and then tear down our torchrun world group.
+        # NOTE: private attribute. vLLM's finalizer runs
+        # destroy_model_parallel + destroy_process_group at exit, which would raise on the dead
+        # groups above and then tear down our torchrun world group.
         self.llm.llm_engine.engine_core._finalizer.detach()
 
     def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
@@ -190,44 +222,54 @@ class VLLMGenerator:
         _check_args(prompt_ids, n, temperature, max_tokens)
         stop = self.eos_ids if stop_token_ids is None else list(stop_token_ids)
 
-        # One request per (prompt, sample) with n=1: vLLM rejects greedy with n>1, and a seed per request
-        # (request_seed) makes every sample reproducible on its own. vLLM's own n>1 fans out the same way.
+        # One request per (prompt, sample) with n=1: vLLM rejects greedy with n>1, and a seed per
+        # request (request_seed) makes every sample reproducible on its own. vLLM's own n>1 fans out
+        # the same way.
         def params(s):
-            return SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                  stop_token_ids=stop, ignore_eos=True,  # stop exactly on `stop`, nothing else
+            return SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  max_tokens=max_tokens,
+                                  # stop exactly on `stop`, nothing else
+                                  stop_token_ids=stop, ignore_eos=True,
                                   seed=s, logprobs=0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(n)]
-        sp = params(None) if seed is None else [params(request_seed(seed, k)) for k in range(len(prompts))]
+        sp = (params(None) if seed is None
+              else [params(request_seed(seed, k)) for k in range(len(prompts))])
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
 
         rows = [o.outputs[0] for o in outs]
-        texts = self._decode([list(r.token_ids) for r in rows]) if self._decode else [""] * len(rows)
+        texts = (self._decode([list(r.token_ids) for r in rows]) if self._decode
+                 else [""] * len(rows))
         groups = [[] for _ in prompt_ids]
         for k, (r, text) in enumerate(zip(rows, texts)):
             toks = list(r.token_ids)
             logp = [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]
             groups[k // n].append(Completion(
                 prompt_ids=list(prompt_ids[k // n]), token_ids=toks, text=text, logprobs=logp,
-                finish_reason="stop" if r.finish_reason == "stop" else "length", generator_version=self.version,
+                finish_reason="stop" if r.finish_reason == "stop" else "length",
+                generator_version=self.version,
                 metadata={"backend": "vllm", "sample_index": k % n}))
         return check_completions(groups, len(prompt_ids), n)
 
     def _load_weights(self, named_tensors):
-        """Reload HF-named tensors in place. Not enough on its own: the prefix cache still holds old-weight KV."""
-        # On CPU vLLM repacks linear weights for oneDNN and leaves empty Parameters behind, so model.load_weights
-        # fails; reload_weights rebuilds each layer and re-runs the repacking. It reprocesses only one owner of a
-        # tied parameter, so a tied lm_head keeps a packed copy of the old embedding: repack it by hand.
+        """Reload HF-named tensors in place. Not enough on its own: the prefix cache still holds
+        old-weight KV."""
+        # On CPU vLLM repacks linear weights for oneDNN and leaves empty Parameters behind, so
+        # model.load_weights fails; reload_weights rebuilds each layer and re-runs the repacking. It
+        # reprocesses only one owner of a tied parameter, so a tied lm_head keeps a packed copy of
+        # the old embedding: repack it by hand.
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
         model = runner.get_model()
         lm_head, embed = getattr(model, "lm_head", None), model.model.embed_tokens
-        if lm_head is not None and lm_head is not embed and getattr(lm_head, "weight", None) is embed.weight:
+        if (lm_head is not None and lm_head is not embed
+                and getattr(lm_head, "weight", None) is embed.weight):
             lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def update_weights(self, named_tensors, version: int):
-        """named_tensors: iterable of (hf_name, tensor), e.g. model.named_parameters(). Call with no request in
-        flight. The prefix-cache reset matters: cached KV blocks computed with the old weights would otherwise be
-        reused for repeated prompts (measured logprob error ~1.8). Asleep: weights wake first, KV after the load."""
+        """named_tensors: iterable of (hf_name, tensor), e.g. model.named_parameters(). Call with no
+        request in flight. The prefix-cache reset matters: cached KV blocks computed with the old
+        weights would otherwise be reused for repeated prompts (measured logprob error ~1.8).
+        Asleep: weights wake first, KV after the load."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
         self._load_weights(named_tensors)
@@ -239,8 +281,9 @@ class VLLMGenerator:
         self.version = version
 
     def sleep(self, keep_weights=True):
-        """Free the engine's GPU memory (colocated: for the update). Level 1 keeps a host copy of the weights; level 2
-        drops them, for when update_weights follows before the next generate."""
+        """Free the engine's GPU memory (colocated: for the update). Level 1 keeps a host copy of
+        the weights; level 2 drops them, for when update_weights follows before the next
+        generate."""
         self.llm.sleep(level=1 if keep_weights else 2)
         self.asleep = True
 
@@ -250,7 +293,7 @@ class VLLMGenerator:
             self.asleep = False
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # pure torch
 
 
@@ -258,9 +301,10 @@ SAMPLE_BLOCK = 256  # vocabulary entries per block of the two-level inverse-CDF 
 
 
 def sample(logits, temperature, top_k, top_p, generator, u=None):
-    """logits (R, V) fp32 -> tokens (R,), logp (R,) under the distribution sampled from (module docstring).
-    u (R, 1): the rows' uniforms, if the caller draws them (TorchGenerator does, so that a row's random stream
-    does not depend on which other rows are still in the batch); else drawn here from `generator`.
+    """logits (R, V) fp32 -> tokens (R,), logp (R,) under the distribution sampled from (module
+    docstring). u (R, 1): the rows' uniforms, if the caller draws them (TorchGenerator does, so that
+    a row's random stream does not depend on which other rows are still in the batch); else drawn
+    here from `generator`.
 
     The draw is an inverse CDF, one uniform per row (far cheaper on CPU than an exponential per
     vocabulary entry), in two levels: the mass of each block of SAMPLE_BLOCK entries, a cumulative
@@ -272,10 +316,12 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
         return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
     if temperature != 1.0:
         logits = logits / temperature
-    if 0 < top_k < logits.size(-1):  # like vLLM: keep every token >= the k-th largest logit (ties included)
+    # like vLLM: keep every token >= the k-th largest logit (ties included)
+    if 0 < top_k < logits.size(-1):
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:                  # like vLLM: drop the smallest tokens whose total mass is <= 1 - p
+    # like vLLM: drop the smallest tokens whose total mass is <= 1 - p
+    if top_p < 1.0:
         sorted_logits, idx = logits.sort(dim=-1)
         drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
         drop[:, -1] = False          # keep at least one
@@ -292,9 +338,12 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
         u = torch.rand(R, 1, generator=generator, device=cdf.device, dtype=cdf.dtype)
     x = u.to(cdf.dtype) * cdf[:, -1:]
 
-    def first_above(cdf, x, p):  # the first entry whose cumulative mass exceeds x; where rounding puts x past
-        i = torch.searchsorted(cdf, x, right=True)  # them all, the last entry with mass (never a filtered one)
-        return torch.minimum(i, ((p > 0) * torch.arange(p.shape[-1], device=p.device)).amax(-1, keepdim=True))
+    # the first entry whose cumulative mass exceeds x; where rounding puts x past them all, the last
+    # entry with mass (never a filtered one)
+    def first_above(cdf, x, p):
+        i = torch.searchsorted(cdf, x, right=True)
+        return torch.minimum(
+            i, ((p > 0) * torch.arange(p.shape[-1], device=p.device)).amax(-1, keepdim=True))
     b = first_above(cdf, x, mass)    # (R, 1) the block
     inner = blocks[torch.arange(R, device=e.device), b[:, 0]]
     x = x - (cdf.gather(-1, b) - mass.gather(-1, b))  # the mass still to go inside the block
@@ -303,30 +352,37 @@ def sample(logits, temperature, top_k, top_p, generator, u=None):
 
 
 class TorchGenerator:
-    compact_finished = True  # drop finished rows from the decode batch (False: the old loop, for bench/generate.py)
+    # drop finished rows from the decode batch (False: the old loop, for bench/generate.py)
+    compact_finished = True
 
-    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0, tokenizer_path=None,
-                 onednn=True):
-        self.onednn = onednn  # reordered Linears on CPU (machine.onednn_weights; False: F.linear; rollout.onednn)
-        # dtype: the compute dtype (KV cache included). None = the parameters' dtype; pass it for an FSDP2 module
-        # with bf16 mixed precision, whose stored parameters stay fp32 while attention runs in bf16.
+    def __init__(self, model_or_path, *, max_model_len=1024, dtype=None, device="cpu", seed=0,
+                 tokenizer_path=None, onednn=True):
+        # reordered Linears on CPU (machine.onednn_weights; False: F.linear; rollout.onednn)
+        self.onednn = onednn
+        # dtype: the compute dtype (KV cache included). None = the parameters' dtype; pass it for an
+        # FSDP2 module with bf16 mixed precision, whose stored parameters stay fp32 while attention
+        # runs in bf16.
         import model as model_lib
         self._lib = model_lib
-        if isinstance(model_or_path, torch.nn.Module):  # share the trainer's module (colocated, tests)
+        # share the trainer's module (colocated, tests)
+        if isinstance(model_or_path, torch.nn.Module):
             self.model, path = model_or_path, tokenizer_path
         else:
             path = tokenizer_path or model_or_path
-            self.model = model_lib.Transformer.from_pretrained(model_or_path, dtype=dtype or torch.float32,
-                                                               device=device)
+            self.model = model_lib.Transformer.from_pretrained(
+                model_or_path, dtype=dtype or torch.float32, device=device)
         self.model.eval()
-        self.dtype, self._own, self._packed = dtype, not isinstance(model_or_path, torch.nn.Module), None
+        self.dtype, self._own, self._packed = (
+            dtype, not isinstance(model_or_path, torch.nn.Module), None)
         self.max_model_len, self.version = max_model_len, 0
         self.device = next(self.model.parameters()).device
         self.eos_ids, self._decode = (eos_token_ids(path) if path else []), _decoder(path)
         self.rng = torch.Generator(self.device).manual_seed(seed)
 
-    def fast_linears(self, rows):  # machine.onednn_weights: per weight version; per call for a shared module
-        use = self.onednn and self.dtype in (None, next(self.model.parameters()).dtype)  # not fp32 weights run in bf16
+    # machine.onednn_weights: per weight version; per call for a shared module
+    def fast_linears(self, rows):
+        # not fp32 weights run in bf16
+        use = self.onednn and self.dtype in (None, next(self.model.parameters()).dtype)
         packed = {} if not use else self._packed if self._own and self._packed else \
             machine.onednn_weights(self.model, rows)
         self._packed = packed if self._own else None
@@ -337,20 +393,22 @@ class TorchGenerator:
                  stop_token_ids=None, seed=None) -> list[list[Completion]]:
         _check_args(prompt_ids, n, temperature, max_tokens)
         with self.fast_linears(len(prompt_ids) * n):
-            return self._generate(prompt_ids, n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed)
+            return self._generate(prompt_ids, n, temperature, top_p, top_k, max_tokens,
+                                  stop_token_ids, seed)
 
     def _generate(self, prompt_ids, n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed):
-        stop = torch.tensor(self.eos_ids if stop_token_ids is None else list(stop_token_ids), dtype=torch.long,
-                            device=self.device)
+        stop = torch.tensor(self.eos_ids if stop_token_ids is None else list(stop_token_ids),
+                            dtype=torch.long, device=self.device)
         rng = self.rng if seed is None else torch.Generator(self.device).manual_seed(seed)
         B, P, dev = len(prompt_ids), max(len(p) for p in prompt_ids), self.device
         if P >= self.max_model_len:
-            raise ValueError(f"prompt of {P} tokens does not fit max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt of {P} tokens does not fit max_model_len={self.max_model_len}")
         T = min(max_tokens, self.max_model_len - P)
         cfg, dtype = self.model.cfg, self.dtype or next(self.model.parameters()).dtype
 
-        # 1) prefill each prompt once, left-padded so every prompt ends at column P. Built on the host and moved
-        # once: one copy to a GPU, not one per prompt.
+        # 1) prefill each prompt once, left-padded so every prompt ends at column P. Built on the
+        # host and moved once: one copy to a GPU, not one per prompt.
         ids = torch.zeros(B, P, dtype=torch.long)
         pmask = torch.zeros(B, P, dtype=torch.long)  # 1 = real token
         for i, p in enumerate(prompt_ids):
@@ -358,25 +416,29 @@ class TorchGenerator:
             pmask[i, P - len(p):] = 1
         ids, pmask = ids.to(dev), pmask.to(dev)
         pre = kvcache.KVCache(cfg, B, P, dtype, dev)
-        logits = self.model(ids, position_ids=self._lib.mask_positions(pmask), attention_mask=pmask, kv_cache=pre,
-                            cache_pos=0)[:, -1]
+        logits = self.model(ids, position_ids=self._lib.mask_positions(pmask), attention_mask=pmask,
+                            kv_cache=pre, cache_pos=0)[:, -1]
 
-        # 2) rows (prompt i, sample j) -> i*n + j share their prompt's KV: the decode cache holds only what each row
-        #    generates, and every step reads a prompt's keys once for its n rows (kvcache.py).
+        # 2) rows (prompt i, sample j) -> i*n + j share their prompt's KV: the decode cache holds
+        #    only what each row generates, and every step reads a prompt's keys once for its n rows
+        #    (kvcache.py).
         R = B * n
         cache = kvcache.KVCache(cfg, R, T, dtype, dev)
         cache.share_prefix(pre, pmask, n)
-        logits, next_pos = logits.repeat_interleave(n, 0), pmask.sum(-1).repeat_interleave(n)  # first new position
+        # first new position
+        logits, next_pos = logits.repeat_interleave(n, 0), pmask.sum(-1).repeat_interleave(n)
 
-        # 3) decode: one batched forward per token over the running rows. Once finished rows are a quarter of the
-        #    batch (and a few steps remain), the running rows' KV cache is gathered into a smaller batch: ~one
-        #    step's cost, then each step saves the dropped rows' share (bench/generate.py). Positions and each
-        #    row's uniform (below) do not depend on what the batch holds.
+        # 3) decode: one batched forward per token over the running rows. Once finished rows are a
+        #    quarter of the batch (and a few steps remain), the running rows' KV cache is gathered
+        #    into a smaller batch: ~one step's cost, then each step saves the dropped rows' share
+        #    (bench/generate.py). Positions and each row's uniform (below) do not depend on what the
+        #    batch holds.
         toks = torch.zeros(R, T, dtype=torch.long, device=dev)    # (R, T)
         logps = torch.zeros(R, T, dtype=torch.float32, device=dev)
         stopped = torch.zeros(R, dtype=torch.bool, device=dev)
         lengths = torch.full((R,), T, dtype=torch.long, device=dev)
-        done = torch.zeros(R, dtype=torch.bool, device=dev)       # (r,) finished rows still in the batch
+        # (r,) finished rows still in the batch
+        done = torch.zeros(R, dtype=torch.bool, device=dev)
         for t in range(T):
             live = cache.live                                     # (r,) batch row -> completion row
             u = torch.rand(R, 1, generator=rng, device=dev)[live] if temperature > 0 else None
@@ -386,37 +448,45 @@ class TorchGenerator:
             stopped[live[hit]] = True
             lengths[live[hit]] = t + 1
             done |= hit
-            num_done = int(done.sum())  # one host sync per step (the loop needs one to know when to end)
+            # one host sync per step (the loop needs one to know when to end)
+            num_done = int(done.sum())
             if t == T - 1 or num_done == len(live):
                 break
             if self.compact_finished and num_done * 4 >= len(live) and T - t > 4:
                 keep = (~done).nonzero()[:, 0]
                 cache.keep(keep)
                 next_pos, tok, done = next_pos[keep], tok[keep], done[keep]
-            # no mask: a running row attends to all it generated (a finished row's output is never read)
-            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], kv_cache=cache, cache_pos=t)[:, -1]
+            # no mask: a running row attends to all it generated (a finished row's output is never
+            # read)
+            logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], kv_cache=cache,
+                                cache_pos=t)[:, -1]
 
         # 4) one host transfer, one batched decode.
-        toks, logps, lengths, stopped = toks.tolist(), logps.tolist(), lengths.tolist(), stopped.tolist()
+        toks, logps, lengths, stopped = (toks.tolist(), logps.tolist(), lengths.tolist(),
+                                         stopped.tolist())
         seqs = [toks[r][:lengths[r]] for r in range(R)]
         texts = self._decode(seqs) if self._decode else [""] * R
-        groups = [[Completion(prompt_ids=list(prompt_ids[i]), token_ids=seqs[i * n + j], text=texts[i * n + j],
-                              logprobs=logps[i * n + j][:lengths[i * n + j]],
+        groups = [[Completion(prompt_ids=list(prompt_ids[i]), token_ids=seqs[i * n + j],
+                              text=texts[i * n + j], logprobs=logps[i * n + j][:lengths[i * n + j]],
                               finish_reason="stop" if stopped[i * n + j] else "length",
-                              generator_version=self.version, metadata={"backend": "torch", "sample_index": j})
+                              generator_version=self.version,
+                              metadata={"backend": "torch", "sample_index": j})
                    for j in range(n)] for i in range(B)]
         return check_completions(groups, B, n)
 
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int):
-        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied lm_head.weight too
+        # a tied lm_head.weight too
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         for name, t in named_tensors:
             if name not in params:
-                raise KeyError(f"update_weights: {name!r} is not a parameter of the torch generator's model")
+                raise KeyError(
+                    f"update_weights: {name!r} is not a parameter of the torch generator's model")
             params[name].copy_(t)
         self.version, self._packed = version, None
 
-    def sleep(self, keep_weights=True):  # nothing to offload: its KV cache lives only inside generate()
+    # nothing to offload: its KV cache lives only inside generate()
+    def sleep(self, keep_weights=True):
         pass
 
     def wake_up(self):

@@ -1,5 +1,6 @@
-"""Policy-gradient losses for LLM RL post-training: one nn.Module per paper, plus the small pure functions
-around them (advantage estimators, KL estimators, truncated IS weights, DAPO's reward shaping).
+"""Policy-gradient losses for LLM RL post-training: one nn.Module per paper, plus the small pure
+functions around them (advantage estimators, KL estimators, truncated IS weights, DAPO's reward
+shaping).
 
 Every loss has the same call (torchforge's contract, extended with the behaviour policy):
 
@@ -13,26 +14,35 @@ Every loss has the same call (torchforge's contract, extended with the behaviour
     old_logprobs  (B, T)  the behaviour policy that sampled the batch; None = on-policy    -> old
                           (old = sg(lp): the ratio is exactly 1 but still has d r / d lp = 1)
     loss          scalar to MINIMISE (minus the paper's objective)
-    metrics       detached 0-d tensors "loss/pg", "loss/kl", "loss/clip_frac", ... (no .item(): a device sync)
+    metrics       detached 0-d tensors "loss/pg", "loss/kl", "loss/clip_frac", ... (no .item(): a
+                  device sync)
 
-Notation: r = exp(lp - old), sg(.) = stop-gradient, l[i,t] the per-token loss, n_i = sum_t m[i,t], N = sum n_i.
-Aggregating l is exactly where the papers disagree, so each loss writes its own as w[i,t] = d loss / d l[i,t]:
-    token-mean            w = m / N        every token weighs the same (DAPO, CISPO, torchforge REINFORCE)
-    seq-mean-token-mean   w = m / (B n_i)  every sequence weighs the same, so a token of a short answer weighs
-                                           more than one of a long answer (GRPO paper, GSPO, SAPO, SimpleGRPO)
+Notation: r = exp(lp - old), sg(.) = stop-gradient, l[i,t] the per-token loss, n_i = sum_t m[i,t],
+N = sum n_i. Aggregating l is exactly where the papers disagree, so each loss writes its own as
+w[i,t] = d loss / d l[i,t]:
+    token-mean            w = m / N        every token weighs the same (DAPO, CISPO, torchforge
+                                           REINFORCE)
+    seq-mean-token-mean   w = m / (B n_i)  every sequence weighs the same, so a token of a short
+                                           answer weighs more than one of a long answer (GRPO paper,
+                                           GSPO, SAPO, SimpleGRPO)
     constant normaliser   w = m / (B C)    C a fixed token budget: no length bias at all (Dr.GRPO)
-and loss = sum(w * l). A fully masked row has n_i clamped to 1: it adds 0, still counts in B (torchforge/TRL).
+and loss = sum(w * l). A fully masked row has n_i clamped to 1: it adds 0, still counts in B
+(torchforge/TRL).
 
-Padding hygiene: each loss first overwrites the padding slots of lp/old/ref/A with 0 via torch.where (not m*x,
-since 0 * inf = NaN), so junk there cannot reach the value and the gradient at padding is exactly 0.
+Padding hygiene: each loss first overwrites the padding slots of lp/old/ref/A with 0 via torch.where
+(not m*x, since 0 * inf = NaN), so junk there cannot reach the value and the gradient at padding is
+exactly 0.
 
-Train/inference mismatch: pass the trainer's old_logprobs and A[:, None] * tis_weights(old, vllm_logp, ...) as
-(B, T) advantages. Every loss here is positively homogeneous in A per token (clip/gate patterns depend only on
-sign(A)), so this is exactly weighting each token's loss by its truncated IS weight.
-Entropy bonus: add entropy_bonus(entropy, mask, coef) to the loss (entropy from model.forward(return_entropy=True)).
+Train/inference mismatch: pass the trainer's old_logprobs and A[:, None] * tis_weights(old,
+vllm_logp, ...) as (B, T) advantages. Every loss here is positively homogeneous in A per token
+(clip/gate patterns depend only on sign(A)), so this is exactly weighting each token's loss by its
+truncated IS weight.
+Entropy bonus: add entropy_bonus(entropy, mask, coef) to the loss (entropy from
+model.forward(return_entropy=True)).
 
-Left out: critics/GAE; verl's [-20, 20] clamp on lp - old (an overflow at a real token is a divergence to see,
-not hide); token counts across ranks (the trainer's job). Worked examples: docs/losses-spec.md.
+Left out: critics/GAE; verl's [-20, 20] clamp on lp - old (an overflow at a real token is a
+divergence to see, not hide); token counts across ranks (the trainer's job). Worked examples:
+docs/losses-spec.md.
 """
 import math
 
@@ -41,10 +51,12 @@ from torch import nn
 
 
 def kl_estimate(logp, ref_logp, kind="k3"):
-    """Per-token estimators of KL(pi || pi_ref), d = logp - ref_logp (http://joschu.net/blog/kl-approx.html):
+    """Per-token estimators of KL(pi || pi_ref), d = logp - ref_logp
+    (http://joschu.net/blog/kl-approx.html):
         k1 = d                    unbiased, can be negative; grad 1
         k2 = d^2 / 2              biased, >= 0; grad d
-        k3 = exp(-d) + d - 1      unbiased, >= 0 (DeepSeekMath eq. 4, verl "low_var_kl"); grad 1 - exp(-d)"""
+        k3 = exp(-d) + d - 1      unbiased, >= 0 (DeepSeekMath eq. 4, verl "low_var_kl");
+                                  grad 1 - exp(-d)"""
     d = logp - ref_logp
     if kind == "k1":
         return d
@@ -55,14 +67,18 @@ def kl_estimate(logp, ref_logp, kind="k3"):
     raise ValueError(f"kl must be one of 'k1', 'k2', 'k3', got {kind!r}")
 
 
-def _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs, need_ref=False, who="loss"):
-    """Plumbing shared by every loss -> m (float mask), lp, old, ref or None, A (B, T); all 0 at padding."""
+def _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs,
+             need_ref=False, who="loss"):
+    """Plumbing shared by every loss -> m (float mask), lp, old, ref or None, A (B, T); all 0 at
+    padding."""
     keep = padding_mask.bool()
-    lp = torch.where(keep, logprobs, 0.0)  # where, not m*x: junk (even inf) at padding cannot become NaN
+    # where, not m*x: junk (even inf) at padding cannot become NaN
+    lp = torch.where(keep, logprobs, 0.0)
     old = lp.detach() if old_logprobs is None else torch.where(keep, old_logprobs.detach(), 0.0)
     if need_ref and ref_logprobs is None:
         raise ValueError(f"{who} has beta > 0 and needs ref_logprobs (or set beta=0.0)")
-    # ref is NOT detached: callers pass a frozen model's logprobs (torchforge's test expects ref to get a grad)
+    # ref is NOT detached: callers pass a frozen model's logprobs (torchforge's test expects ref to
+    # get a grad)
     ref = None if ref_logprobs is None else torch.where(keep, ref_logprobs, 0.0)
     adv = advantages.detach().to(lp.dtype)
     adv = torch.where(keep, (adv[:, None] if adv.dim() == 1 else adv).expand_as(lp), 0.0)
@@ -78,11 +94,15 @@ class SimpleGRPOLoss(nn.Module):
 
         l_t = -(exp(lp_t - sg(lp_t)) * A - beta * k3(lp_t, ref_t)),   loss = seq-mean-token-mean(l)
 
-    The ratio is exactly 1 (value -A + beta*k3) with gradient 1: d l / d lp = -A + beta * (1 - exp(ref - lp)).
-    Paper: DeepSeekMath (arXiv 2402.03300) eq. 3 in its single-update case, as coded in meta-pytorch/torchforge.
-    vs GRPOLoss: equals GRPOLoss(kl="k3", agg="seq_mean_token_mean") with old = sg(lp), where no clip can fire.
-    NOTE: it hard-codes on-policy, so `old_logprobs` is accepted for the common signature and IGNORED; use
-    GRPOLoss for several updates per batch. beta=0.1 is torchforge's default (the paper's is 0.04).
+    The ratio is exactly 1 (value -A + beta*k3) with gradient 1:
+    d l / d lp = -A + beta * (1 - exp(ref - lp)).
+    Paper: DeepSeekMath (arXiv 2402.03300) eq. 3 in its single-update case, as coded in
+    meta-pytorch/torchforge.
+    vs GRPOLoss: equals GRPOLoss(kl="k3", agg="seq_mean_token_mean") with old = sg(lp), where no
+    clip can fire.
+    NOTE: it hard-codes on-policy, so `old_logprobs` is accepted for the common signature and
+    IGNORED; use GRPOLoss for several updates per batch. beta=0.1 is torchforge's default (the
+    paper's is 0.04).
     """
 
     def __init__(self, beta: float = 0.1):
@@ -103,12 +123,15 @@ class SimpleGRPOLoss(nn.Module):
 class ReinforceLoss(nn.Module):
     """REINFORCE with a clamped, detached importance weight (torchforge's `ReinforceLoss`).
 
-        w_t = clamp(sg(exp(lp_t - old_t)), is_min, is_max),   l_t = -w_t * A * lp_t,   loss = token-mean(l)
+        w_t = clamp(sg(exp(lp_t - old_t)), is_min, is_max),   l_t = -w_t * A * lp_t,
+        loss = token-mean(l)
 
-    Gradient -w*A on EVERY token: the weight is detached and clamped, so a token far off-policy still learns
-    (bounded), where PPO-clip would drop it. The value is -A*lp*w, a surrogate, not ~ -A. Paper: Williams 1992;
-    the IS form is torchforge's (meta-pytorch/torchforge src/forge/losses/reinforce_loss.py).
-    vs CISPOLoss: the same per-token form, but CISPO's weight is capped one-sided at 1 + eps_high only.
+    Gradient -w*A on EVERY token: the weight is detached and clamped, so a token far off-policy
+    still learns (bounded), where PPO-clip would drop it. The value is -A*lp*w, a surrogate,
+    not ~ -A. Paper: Williams 1992; the IS form is torchforge's (meta-pytorch/torchforge
+    src/forge/losses/reinforce_loss.py).
+    vs CISPOLoss: the same per-token form, but CISPO's weight is capped one-sided at 1 + eps_high
+    only.
     """
 
     def __init__(self, is_min: float = 0.1, is_max: float = 10.0):
@@ -116,29 +139,37 @@ class ReinforceLoss(nn.Module):
         self.is_min, self.is_max = is_min, is_max
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                      old_logprobs)
         ratio = torch.exp(lp - old).detach()
         pg = -ratio.clamp(self.is_min, self.is_max) * adv * lp  # detached, clamped IS weight
         w = m / m.sum().clamp(min=1)  # token-mean
         loss = (w * pg).sum()
         clipped = (ratio < self.is_min) | (ratio > self.is_max)
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+        return loss, {"loss/pg": loss.detach(),
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
                       "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class GRPOLoss(nn.Module):
-    """GRPO: PPO-clip surrogate with a KL penalty inside the loss (DeepSeekMath, arXiv 2402.03300, eq. 3).
+    """GRPO: PPO-clip surrogate with a KL penalty inside the loss (DeepSeekMath, arXiv 2402.03300,
+    eq. 3).
 
-        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A) + beta * k(lp_t, ref_t),  r_t = exp(lp_t - old_t)
-        loss = seq-mean-token-mean(l)   (the paper's 1/G sum_i 1/|o_i| sum_t)   or agg="token_mean" (verl default)
+        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A) + beta * k(lp_t, ref_t),
+        r_t = exp(lp_t - old_t)
+        loss = seq-mean-token-mean(l)   (the paper's 1/G sum_i 1/|o_i| sum_t)
+               or agg="token_mean" (verl default)
 
-    Zero pg-gradient exactly on {A > 0, r > 1 + clip_high} u {A < 0, r < 1 - clip_low}; all other tokens,
-    in range or not, get -A*r. beta=0.04 and k3 are the paper's. dual_clip=c > 1 (verl, off by default, not in
-    the paper) also caps l at -A*c when A < 0, zeroing the gradient of tokens with r > c.
-    vs SimpleGRPOLoss: that is this with old = sg(lp). vs DAPOLoss: KL term, symmetric clip, per-sequence mean.
+    Zero pg-gradient exactly on {A > 0, r > 1 + clip_high} u {A < 0, r < 1 - clip_low}; all other
+    tokens, in range or not, get -A*r. beta=0.04 and k3 are the paper's. dual_clip=c > 1 (verl, off
+    by default, not in the paper) also caps l at -A*c when A < 0, zeroing the gradient of tokens
+    with r > c.
+    vs SimpleGRPOLoss: that is this with old = sg(lp). vs DAPOLoss: KL term, symmetric clip,
+    per-sequence mean.
     """
 
-    def __init__(self, clip_low=0.2, clip_high=0.2, beta=0.04, kl="k3", agg="seq_mean_token_mean", dual_clip=None):
+    def __init__(self, clip_low=0.2, clip_high=0.2, beta=0.04, kl="k3", agg="seq_mean_token_mean",
+                 dual_clip=None):
         super().__init__()
         if agg not in ("seq_mean_token_mean", "token_mean"):
             raise ValueError(f"agg must be 'seq_mean_token_mean' or 'token_mean', got {agg!r}")
@@ -146,36 +177,43 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
         if kl not in ("k1", "k2", "k3"):
             raise ValueError(f"kl must be one of 'k1', 'k2', 'k3', got {kl!r}")
-        self.clip_low, self.clip_high, self.beta, self.kl, self.agg = clip_low, clip_high, beta, kl, agg
+        self.clip_low, self.clip_high, self.beta, self.kl, self.agg = (
+            clip_low, clip_high, beta, kl, agg)
         self.dual_clip = dual_clip
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, ref, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs,
-                                        self.beta > 0, "GRPOLoss")
+        m, lp, old, ref, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                        old_logprobs, self.beta > 0, "GRPOLoss")
         ratio = torch.exp(lp - old)
         pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv)
-        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        clipped = (((adv > 0) & (ratio > 1 + self.clip_high))
+                   | ((adv < 0) & (ratio < 1 - self.clip_low)))
         if self.dual_clip is not None:  # lower-bound the objective of A < 0 tokens at c*A
             pg = torch.where(adv < 0, torch.minimum(pg, -adv * self.dual_clip), pg)
         kl = kl_estimate(lp, ref, self.kl) if ref is not None else torch.zeros_like(lp)
         if self.agg == "token_mean":
             w = m / m.sum().clamp(min=1)
-        else:  # seq-mean-token-mean: mean over each row's tokens, then over rows (empty rows count in B)
+        # seq-mean-token-mean: mean over each row's tokens, then over rows (empty rows count in B)
+        else:
             w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])
         loss = (w * (pg + self.beta * kl)).sum()
         return loss, {"loss/pg": (w * pg).sum().detach(), "loss/kl": (w * kl).sum().detach(),
-                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m), "loss/ratio_mean": masked_mean(ratio, m)}
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+                      "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class DrGRPOLoss(nn.Module):
-    """Dr.GRPO, "GRPO Done Right" (arXiv 2503.20783): GRPO's PPO-clip with a CONSTANT normaliser, no KL.
+    """Dr.GRPO, "GRPO Done Right" (arXiv 2503.20783): GRPO's PPO-clip with a CONSTANT normaliser, no
+    KL.
 
-        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),   loss = sum_{i,t} m l / (B * C)
+        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),
+        loss = sum_{i,t} m l / (B * C)
 
-    C = max_tokens, the generation budget, the same for every batch (the authors' oat code, TRL "dr_grpo").
-    Every token weighs 1/(B*C) whatever its sequence's length: GRPO's 1/n_i rewards short correct answers and
-    excuses long wrong ones. Pair with dr_grpo_advantages (no std). vs GRPOLoss: same per-token loss with
-    beta=0; only the normaliser differs (verl's variant also omits the /B).
+    C = max_tokens, the generation budget, the same for every batch (the authors' oat code, TRL
+    "dr_grpo"). Every token weighs 1/(B*C) whatever its sequence's length: GRPO's 1/n_i rewards
+    short correct answers and excuses long wrong ones. Pair with dr_grpo_advantages (no std). vs
+    GRPOLoss: same per-token loss with beta=0; only the normaliser differs (verl's variant also
+    omits the /B).
     """
 
     def __init__(self, max_tokens: int, clip_low=0.2, clip_high=0.2):
@@ -183,24 +221,30 @@ class DrGRPOLoss(nn.Module):
         self.max_tokens, self.clip_low, self.clip_high = max_tokens, clip_low, clip_high
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                      old_logprobs)
         ratio = torch.exp(lp - old)
         pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv)
-        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        clipped = (((adv > 0) & (ratio > 1 + self.clip_high))
+                   | ((adv < 0) & (ratio < 1 - self.clip_low)))
         w = m / (m.shape[0] * self.max_tokens)  # constant normaliser: no length in the weight
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+        return loss, {"loss/pg": loss.detach(),
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
                       "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class DAPOLoss(nn.Module):
-    """DAPO (arXiv 2503.14476, eqs. 8-12): PPO-clip with decoupled "Clip-Higher" bounds, token-mean, no KL.
+    """DAPO (arXiv 2503.14476, eqs. 8-12): PPO-clip with decoupled "Clip-Higher" bounds, token-mean,
+    no KL.
 
-        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),   loss = sum_{i,t} m l / sum_i n_i
+        l_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),
+        loss = sum_{i,t} m l / sum_i n_i
 
-    clip_high = 0.28 > clip_low = 0.2 lets low-probability tokens with A > 0 grow further before clipping
-    (against entropy collapse). Token-level mean: long sequences get proportionally more weight.
-    The rest of DAPO is outside the loss: zero_std_groups (dynamic sampling), overlong_penalty (reward).
+    clip_high = 0.28 > clip_low = 0.2 lets low-probability tokens with A > 0 grow further before
+    clipping (against entropy collapse). Token-level mean: long sequences get proportionally more
+    weight. The rest of DAPO is outside the loss: zero_std_groups (dynamic sampling),
+    overlong_penalty (reward).
     vs GRPOLoss: equals GRPOLoss(clip_high=0.28, beta=0, agg="token_mean").
     """
 
@@ -209,25 +253,32 @@ class DAPOLoss(nn.Module):
         self.clip_low, self.clip_high = clip_low, clip_high
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                      old_logprobs)
         ratio = torch.exp(lp - old)
         pg = torch.maximum(-ratio * adv, -ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * adv)
-        clipped = ((adv > 0) & (ratio > 1 + self.clip_high)) | ((adv < 0) & (ratio < 1 - self.clip_low))
+        clipped = (((adv > 0) & (ratio > 1 + self.clip_high))
+                   | ((adv < 0) & (ratio < 1 - self.clip_low)))
         w = m / m.sum().clamp(min=1)  # token-mean over the whole batch
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+        return loss, {"loss/pg": loss.detach(),
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
                       "loss/ratio_mean": masked_mean(ratio, m)}
 
 
 class CISPOLoss(nn.Module):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): clip the detached IS weight, never drop a token.
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): clip the detached IS weight, never drop a
+    token.
 
-        r_hat_t = clip(sg(r_t), 1 - clip_low, 1 + clip_high),   l_t = -r_hat_t * A * lp_t,   loss = token-mean(l)
+        r_hat_t = clip(sg(r_t), 1 - clip_low, 1 + clip_high),   l_t = -r_hat_t * A * lp_t,
+        loss = token-mean(l)
 
-    The gradient -r_hat*A reaches every token, clipped ones included (with the capped weight): PPO-clip drops
-    the rare high-ratio "fork" tokens that matter for long reasoning. clip_low=None (no lower bound) as in the
-    paper. NOTE: MiniMax do not disclose their eps_high; 4.0 (cap 5.0) is ScaleRL/TRL's value.
-    vs ReinforceLoss: same surrogate; the weight is capped only above (verl's two-sided: clip_low=0.2, clip_high=0.2).
+    The gradient -r_hat*A reaches every token, clipped ones included (with the capped weight):
+    PPO-clip drops the rare high-ratio "fork" tokens that matter for long reasoning. clip_low=None
+    (no lower bound) as in the paper. NOTE: MiniMax do not disclose their eps_high; 4.0 (cap 5.0) is
+    ScaleRL/TRL's value.
+    vs ReinforceLoss: same surrogate; the weight is capped only above (verl's two-sided:
+    clip_low=0.2, clip_high=0.2).
     """
 
     def __init__(self, clip_high=4.0, clip_low=None):
@@ -235,14 +286,16 @@ class CISPOLoss(nn.Module):
         self.clip_high, self.clip_low = clip_high, clip_low
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                      old_logprobs)
         ratio = torch.exp(lp - old).detach()
         low = None if self.clip_low is None else 1 - self.clip_low
         pg = -ratio.clamp(min=low, max=1 + self.clip_high) * adv * lp
         clipped = (ratio > 1 + self.clip_high) | (ratio < (0.0 if low is None else low))
         w = m / m.sum().clamp(min=1)  # token-mean
         loss = (w * pg).sum()
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+        return loss, {"loss/pg": loss.detach(),
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
                       "loss/ratio_mean": masked_mean(ratio, m)}
 
 
@@ -250,14 +303,16 @@ class GSPOLoss(nn.Module):
     """GSPO (Qwen, arXiv 2507.18071, eqs. 5-7 and 13-14): one length-normalised ratio per sequence.
 
         s_i = (pi(y_i) / pi_old(y_i))^(1/n_i) = exp(sum_t m (lp - old) / n_i)
-        level="sequence":  loss = -1/B sum_i min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
+        level="sequence":  loss = -1/B sum_i min(s_i A_i,
+                                                 clip(s_i, 1 - clip_low, 1 + clip_high) A_i)
         level="token":     s_it = sg(s_i) exp(lp_t - sg(lp_t)),
                            loss = seq-mean-token-mean(-min(s_it A_t, clip(s_it) A_t))
 
-    A clipped sequence loses the gradient of ALL its tokens; others give each token -A_i s_i / (B n_i).
-    GSPO-token equals GSPO for per-sequence A (the paper's claim, tested) and also takes per-token A (e.g.
-    folded-in token TIS weights), which level="sequence" averages over the row. Clip range 3e-4 / 4e-4
-    (section 5.1): s_i is a geometric mean of token ratios, so it stays near 1.
+    A clipped sequence loses the gradient of ALL its tokens; others give each token -A_i
+    s_i / (B n_i). GSPO-token equals GSPO for per-sequence A (the paper's claim, tested) and also
+    takes per-token A (e.g. folded-in token TIS weights), which level="sequence" averages over the
+    row. Clip range 3e-4 / 4e-4 (section 5.1): s_i is a geometric mean of token ratios, so it stays
+    near 1.
     vs GRPOLoss: the ratio and the clip decision are per sequence, not per token; no KL.
     """
 
@@ -268,12 +323,15 @@ class GSPOLoss(nn.Module):
         self.clip_low, self.clip_high, self.level = clip_low, clip_high, level
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                      old_logprobs)
         n = m.sum(-1).clamp(min=1)
-        s = torch.exp(((lp - old) * m).sum(-1) / n)  # (B,) masked mean log-ratio: padding never enters
+        # (B,) masked mean log-ratio: padding never enters
+        s = torch.exp(((lp - old) * m).sum(-1) / n)
         lo, hi = 1 - self.clip_low, 1 + self.clip_high
         if self.level == "sequence":
-            a = (adv * m).sum(-1) / n  # A_i; a (B, T) A is averaged over the row (per-token A: level="token")
+            # A_i; a (B, T) A is averaged over the row (per-token A: level="token")
+            a = (adv * m).sum(-1) / n
             seq = torch.maximum(-s * a, -s.clamp(lo, hi) * a)  # an empty row has a = 0: it adds 0
             loss = seq.sum() / m.shape[0]
             clipped = (((a > 0) & (s > hi)) | ((a < 0) & (s < lo)))[:, None]  # the whole row's fate
@@ -283,7 +341,8 @@ class GSPOLoss(nn.Module):
             w = m / (n[:, None] * m.shape[0])  # seq-mean-token-mean
             loss = (w * pg).sum()
             clipped = ((adv > 0) & (s_tok > hi)) | ((adv < 0) & (s_tok < lo))
-        return loss, {"loss/pg": loss.detach(), "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
+        return loss, {"loss/pg": loss.detach(),
+                      "loss/clip_frac": masked_mean(clipped.to(m.dtype), m),
                       "loss/ratio_mean": masked_mean(s[:, None], m)}
 
 
@@ -293,9 +352,10 @@ class SAPOLoss(nn.Module):
         f(r; tau) = sigmoid(tau (r - 1)) * 4 / tau,  tau = tau_pos if A > 0 else tau_neg
         l_t = -f(r_t; tau_t) A,   loss = seq-mean-token-mean(l)
 
-    d l / d lp = -A * 4 sig (1 - sig) r: equal to GRPO's -A on-policy (f'(1) = 1), decaying smoothly as r
-    leaves 1 but never exactly 0. The on-policy VALUE is -(2/tau) A, not -A. tau_neg = 1.05 > tau_pos makes
-    negative-advantage tokens decay faster (the paper's most stable setting). vs GRPOLoss: no hard clip, no KL.
+    d l / d lp = -A * 4 sig (1 - sig) r: equal to GRPO's -A on-policy (f'(1) = 1), decaying smoothly
+    as r leaves 1 but never exactly 0. The on-policy VALUE is -(2/tau) A, not -A.
+    tau_neg = 1.05 > tau_pos makes negative-advantage tokens decay faster (the paper's most stable
+    setting). vs GRPOLoss: no hard clip, no KL.
     """
 
     def __init__(self, tau_pos=1.0, tau_neg=1.05):
@@ -303,9 +363,11 @@ class SAPOLoss(nn.Module):
         self.tau_pos, self.tau_neg = tau_pos, tau_neg
 
     def forward(self, logprobs, ref_logprobs, advantages, padding_mask, old_logprobs=None):
-        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask, old_logprobs)
+        m, lp, old, _, adv = _prepare(logprobs, ref_logprobs, advantages, padding_mask,
+                                      old_logprobs)
         ratio = torch.exp(lp - old)
-        tau = torch.full_like(adv, self.tau_neg).masked_fill(adv > 0, self.tau_pos)  # in lp's dtype, not fp32
+        # in lp's dtype, not fp32
+        tau = torch.full_like(adv, self.tau_neg).masked_fill(adv > 0, self.tau_pos)
         gate = torch.sigmoid(tau * (ratio - 1))
         pg = -gate * (4 / tau) * adv
         w = m / (m.sum(-1, keepdim=True).clamp(min=1) * m.shape[0])  # seq-mean-token-mean
@@ -314,16 +376,17 @@ class SAPOLoss(nn.Module):
                       "loss/gate_grad_mean": masked_mean(4 * gate * (1 - gate), m)}  # 1 on-policy
 
 
-LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "cispo": CISPOLoss, "gspo": GSPOLoss,
-          "sapo": SAPOLoss, "simple_grpo": SimpleGRPOLoss, "reinforce": ReinforceLoss}
+LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "cispo": CISPOLoss,
+          "gspo": GSPOLoss, "sapo": SAPOLoss, "simple_grpo": SimpleGRPOLoss,
+          "reinforce": ReinforceLoss}
 
 
-# ---- advantage estimators: rewards (B prompts, G samples each) -> advantages, no grad ---------------------
-# Each is called as fn(rewards, batch) and returns (B, G), one advantage per sequence, or (B*G, T), one per
-# token, where batch is the update's token batch (batch["mask"] is (B*G, T): 1 on trained tokens; also ids,
-# gen_logp). The four below are sequence-level and ignore it; a per-token one (a process reward, a teacher's
-# logprobs) reads it. `loss.adv` names one: a key of ADVANTAGES or a user's "file.py:fn". An estimator that
-# takes `eps` gets loss.adv_eps.
+# ---- advantage estimators: rewards (B prompts, G samples each) -> advantages, no grad ------------
+# Each is called as fn(rewards, batch) and returns (B, G), one advantage per sequence, or (B*G, T),
+# one per token, where batch is the update's token batch (batch["mask"] is (B*G, T): 1 on trained
+# tokens; also ids, gen_logp). The four below are sequence-level and ignore it; a per-token one (a
+# process reward, a teacher's logprobs) reads it. `loss.adv` names one: a key of ADVANTAGES or a
+# user's "file.py:fn". An estimator that takes `eps` gets loss.adv_eps.
 
 def _as_float(x):
     x = torch.as_tensor(x)
@@ -331,26 +394,30 @@ def _as_float(x):
 
 
 def _centred(r):
-    """R - mean_g R, exactly 0 for all-equal groups (the float mean of [0.7]*6 is not exactly 0.7)."""
+    """R - mean_g R, exactly 0 for all-equal groups (the float mean of [0.7]*6 is not exactly
+    0.7)."""
     same = (r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True))
     return torch.where(same, 0.0, r - r.mean(-1, keepdim=True))
 
 
 def group_advantages(rewards, batch=None, eps=1e-6):
-    """GRPO (DeepSeekMath section 4.1.2): A = (R - mean_g R) / (std_g R + eps) within each prompt's group.
-    std is unbiased (ddof=1) as in verl/TRL/torchforge; eps=1e-6 is verl's (TRL/torchforge use 1e-4).
-    A group of size 1 has nothing to compare against: its advantage is 0 (verl's convention)."""
+    """GRPO (DeepSeekMath section 4.1.2): A = (R - mean_g R) / (std_g R + eps) within each prompt's
+    group. std is unbiased (ddof=1) as in verl/TRL/torchforge; eps=1e-6 is verl's (TRL/torchforge
+    use 1e-4). A group of size 1 has nothing to compare against: its advantage is 0 (verl's
+    convention)."""
     r = _as_float(rewards)
     return torch.zeros_like(r) if r.shape[-1] < 2 else _centred(r) / (r.std(-1, keepdim=True) + eps)
 
 
 def dr_grpo_advantages(rewards, batch=None):
-    """Dr.GRPO: A = R - mean_g R. Dividing by std up-weights near-unanimous (too easy / too hard) groups."""
+    """Dr.GRPO: A = R - mean_g R. Dividing by std up-weights near-unanimous (too easy / too hard)
+    groups."""
     return _centred(_as_float(rewards))
 
 
 def rloo_advantages(rewards, batch=None):
-    """RLOO (arXiv 2402.14740): baseline = mean of the OTHER G-1 samples, A = G/(G-1) (R - mean_g R).
+    """RLOO (arXiv 2402.14740): baseline = mean of the OTHER G-1 samples, A = G/(G-1)
+    (R - mean_g R).
     Unbiased: the baseline does not depend on the sample it scores. Group of size 1: 0."""
     r, g = _as_float(rewards), rewards.shape[-1]
     return torch.zeros_like(r) if g < 2 else g / (g - 1) * _centred(r)
@@ -358,8 +425,9 @@ def rloo_advantages(rewards, batch=None):
 
 def reinforce_pp_advantages(rewards, batch=None, eps=1e-8, group_baseline=False):
     """REINFORCE++ (arXiv 2501.03262v1, eqs. 4-8): whiten over the WHOLE batch, not per group:
-    A = (R - mean_batch) / (std_batch + eps), ddof=1; group_baseline=True (verl's "REINFORCE++-baseline")
-    subtracts each group's mean first. NOTE: sequence-level; per-token KL-in-reward returns are the caller's."""
+    A = (R - mean_batch) / (std_batch + eps), ddof=1; group_baseline=True (verl's
+    "REINFORCE++-baseline") subtracts each group's mean first. NOTE: sequence-level; per-token
+    KL-in-reward returns are the caller's."""
     r = _as_float(rewards)
     if group_baseline:
         r = r - r.mean(-1, keepdim=True)
@@ -371,37 +439,46 @@ ADVANTAGES = {"grpo": group_advantages, "dr_grpo": dr_grpo_advantages, "rloo": r
 
 
 def zero_std_groups(rewards):
-    """DAPO dynamic sampling: (P,) bool, True for groups whose rewards are all equal (all right or all wrong).
-    Their advantages are all 0 so they carry no gradient; DAPO drops them and samples more prompts."""
+    """DAPO dynamic sampling: (P,) bool, True for groups whose rewards are all equal (all right or
+    all wrong). Their advantages are all 0 so they carry no gradient; DAPO drops them and samples
+    more prompts."""
     r = torch.as_tensor(rewards)
     return r.amax(-1) == r.amin(-1)
 
 
 def overlong_penalty(lengths, max_len, cache_len):
-    """DAPO soft overlong punishment (eq. 13), ADDED to the correctness reward, with L = response length:
-        0 if L <= max_len - cache_len;  (max_len - cache_len - L) / cache_len up to max_len;  -1 beyond."""
+    """DAPO soft overlong punishment (eq. 13), ADDED to the correctness reward, with L = response
+    length:
+        0 if L <= max_len - cache_len;  (max_len - cache_len - L) / cache_len up to max_len;
+        -1 beyond."""
     L = _as_float(lengths)
     soft = max_len - cache_len
-    return torch.where(L <= soft, 0.0, torch.where(L <= max_len, (soft - L) / cache_len, -1.0)).to(L.dtype)
+    return torch.where(L <= soft, 0.0,
+                       torch.where(L <= max_len, (soft - L) / cache_len, -1.0)).to(L.dtype)
 
 
 def tis_weights(logp, gen_logp, mask, cap, level="token"):
-    """Truncated IS weights for the trainer/generator mismatch (vLLM's logprobs differ from the trainer's even
-    for the same weights; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-    training"; verl rollout_is). logp: the trainer's logprobs of the behaviour policy; gen: the generator's.
-        token: w_t = min(exp(logp_t - gen_t), cap);  sequence: w_i = min(exp(sum_t m (logp_t - gen_t)), cap)
-    Detached, 0 on padding, (B, T). Use: loss_fn(lp, ref, A[:, None] * w, mask, old_logprobs=logp)."""
+    """Truncated IS weights for the trainer/generator mismatch (vLLM's logprobs differ from the
+    trainer's even for the same weights; Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"; verl rollout_is). logp: the trainer's logprobs of the
+    behaviour policy; gen: the generator's.
+        token: w_t = min(exp(logp_t - gen_t), cap);
+        sequence: w_i = min(exp(sum_t m (logp_t - gen_t)), cap)
+    Detached, 0 on padding, (B, T). Use: loss_fn(lp, ref, A[:, None] * w, mask,
+    old_logprobs=logp)."""
     keep = mask.bool()
     d = torch.where(keep, (logp - gen_logp).detach(), 0.0)
     if level == "sequence":
         d = d.sum(-1, keepdim=True).expand_as(d)
     elif level != "token":
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    w = torch.exp(d.clamp(max=math.log(cap)))  # clamp in log space: exp(sum) may overflow before the cap
+    # clamp in log space: exp(sum) may overflow before the cap
+    w = torch.exp(d.clamp(max=math.log(cap)))
     return torch.where(keep, w, 0.0)
 
 
 def entropy_bonus(entropy, mask, coef):
-    """Term to ADD to the loss for an entropy bonus: -coef * token-mean(entropy) over response tokens
-    (minimising it raises entropy). entropy (B, T) from model.forward(..., return_entropy=True)."""
+    """Term to ADD to the loss for an entropy bonus: -coef * token-mean(entropy) over response
+    tokens (minimising it raises entropy). entropy (B, T) from model.forward(...,
+    return_entropy=True)."""
     return -coef * torch.where(mask.bool(), entropy, 0.0).sum() / mask.sum().clamp(min=1)

@@ -1,27 +1,33 @@
-"""Know the machine: what a run's speed depends on, measured where it runs, and the choices that follow from it.
+"""Know the machine: what a run's speed depends on, measured where it runs, and the choices that
+follow from it.
 
 bf16 is several times faster than fp32 on CPUs with hardware bf16 and hundreds of times slower on
 AVX2-only ones, and OpenMP threads beyond a job's cores slow a decode step by an order of magnitude
 (docs/machines.md#what-follows-for-the-code). So neither the compute dtype nor the thread count is a
 constant in a config:
 
-- `choose_dtype`: `model.dtype = "auto"` means bf16 on a GPU; on a CPU, bf16 only where `probe_dtype` (< 0.1 s at
-  start-up) measures bf16 matmuls at least BF16_MIN_SPEEDUP times faster than fp32 at an update-like shape, else
-  fp32. A pure function of the probe's figures, so the rule is tested apart from the timing.
-- `thread_budget`: each process of a job takes an equal share of the cores it may use (`os.sched_getaffinity`,
-  which `taskset` narrows), so the job's total never exceeds them: torch's intra-op threads, and the cores a vLLM
-  CPU engine binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND). OMP_NUM_THREADS, where set, caps the share
-  (torchrun sets 1 when it starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward
-  workers run one thread each, while the trainer waits for their scores.
-- `huge_pages`: torch's CPU allocator asks for 2 MB pages (THP_MEM_ALLOC_ENABLE), so the GBs of fresh buffers an
-  update allocates are not faulted in 4 KB at a time (set when this module is imported; logged with the threads).
-- `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where F.linear runs far below
-  the matmul rate on CPU; the same weights reordered once for oneDNN run faster there, in fp32 and
-  in bf16 where oneDNN has bf16 kernels (the torch generator uses them;
+- `choose_dtype`: `model.dtype = "auto"` means bf16 on a GPU; on a CPU, bf16 only where
+  `probe_dtype` (< 0.1 s at start-up) measures bf16 matmuls at least BF16_MIN_SPEEDUP times faster
+  than fp32 at an update-like shape, else fp32. A pure function of the probe's figures, so the rule
+  is tested apart from the timing.
+- `thread_budget`: each process of a job takes an equal share of the cores it may use
+  (`os.sched_getaffinity`, which `taskset` narrows), so the job's total never exceeds them: torch's
+  intra-op threads, and the cores a vLLM CPU engine binds its OpenMP threads to
+  (VLLM_CPU_OMP_THREADS_BIND). OMP_NUM_THREADS, where set, caps the share (torchrun sets 1 when it
+  starts several ranks: `OMP_NUM_THREADS=<cores per rank> torchrun ...` lifts it). Reward workers
+  run one thread each, while the trainer waits for their scores.
+- `huge_pages`: torch's CPU allocator asks for 2 MB pages (THP_MEM_ALLOC_ENABLE), so the GBs of
+  fresh buffers an update allocates are not faulted in 4 KB at a time (set when this module is
+  imported; logged with the threads).
+- `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where
+  F.linear runs far below the matmul rate on CPU; the same weights reordered once for oneDNN run
+  faster there, in fp32 and in bf16 where oneDNN has bf16 kernels (the torch generator uses them;
   docs/performance.md#the-decode-step).
-- `available_bytes`: the memory the OS can give now, which bounds what a CPU vLLM engine's KV cache may take.
-- `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU capability,
-  cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked for.
+- `available_bytes`: the memory the OS can give now, which bounds what a CPU vLLM engine's KV cache
+  may take.
+- `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU
+  capability, cores and threads, memory read GB/s, fp32 and bf16 matmul GFLOP/s at the shapes asked
+  for.
 """
 import contextlib
 import os
@@ -29,32 +35,39 @@ import time
 
 import torch
 
-BF16_MIN_SPEEDUP = 1.25  # bf16 costs train/generator agreement (0.037 nats per token vs 2e-6 in fp32): only for speed
+# bf16 costs train/generator agreement (0.037 nats per token vs 2e-6 in fp32): only for speed
+BF16_MIN_SPEEDUP = 1.25
 
 
 def cpu_model() -> dict:
-    """The CPU's name and the matrix-unit flags torch's capability string does not tell apart ("AVX512" on boxes
-    with and without AMX, whose bf16 matmuls differ 5x), from /proc/cpuinfo; {} where there is none."""
+    """The CPU's name and the matrix-unit flags torch's capability string does not tell apart
+    ("AVX512" on boxes with and without AMX, whose bf16 matmuls differ 5x), from /proc/cpuinfo; {}
+    where there is none."""
     with contextlib.suppress(OSError):
         first = open("/proc/cpuinfo").read().split("\n\n")[0]  # one processor's block
-        lines = {k.strip(): v for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
+        lines = {k.strip(): v
+                 for k, v in (line.split(":", 1) for line in first.splitlines() if ":" in line)}
         flags = lines.get("flags", "").split()
         return {"cpu_model": lines.get("model name", "").strip(),
-                "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]}
+                "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+                              if f in flags]}
     return {}
 
 
 def info() -> dict:
-    """What a run's numbers depend on besides its config: CPU kernel path (AVX2 and AVX-512 boxes round differently,
-    and tiny-model RL amplifies it), the CPU, cores and threads, versions. Written beside config.json."""
+    """What a run's numbers depend on besides its config: CPU kernel path (AVX2 and AVX-512 boxes
+    round differently, and tiny-model RL amplifies it), the CPU, cores and threads, versions.
+    Written beside config.json."""
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), **cpu_model(),
             "cores": len(os.sched_getaffinity(0)),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
+            **{k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+               if k in os.environ}}
 
 
 def available_bytes() -> int:
-    """Memory the OS can give now: MemAvailable (page cache it can drop included), else the free pages."""
+    """Memory the OS can give now: MemAvailable (page cache it can drop included), else the free
+    pages."""
     with contextlib.suppress(OSError, ValueError):
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
@@ -63,8 +76,8 @@ def available_bytes() -> int:
 
 
 def _best_s(fn, repeats=3, budget_s=None):
-    """The fastest of `repeats` timed calls after one warm-up (thread pool, oneDNN kernel selection), stopping early
-    once `budget_s` is spent."""
+    """The fastest of `repeats` timed calls after one warm-up (thread pool, oneDNN kernel
+    selection), stopping early once `budget_s` is spent."""
     t0 = time.perf_counter()
     fn()
     best = time.perf_counter() - t0
@@ -90,15 +103,18 @@ def read_gbps(mib=256, repeats=3) -> float:
 
 
 def probe_dtype(m=128, k=576, n=1536) -> dict:
-    """fp32 and bf16 GFLOP/s at an update-like matmul (SmolLM2-135M's MLP at 128 tokens), in < 0.1 s on either box:
-    a tiny bf16 matmul first, and the full shape only where that one was not already far slower than fp32. On one
-    thread: the question is the kernels' path, and one thread is not thrown off by other work on the cores."""
+    """fp32 and bf16 GFLOP/s at an update-like matmul (SmolLM2-135M's MLP at 128 tokens), in < 0.1 s
+    on either box: a tiny bf16 matmul first, and the full shape only where that one was not already
+    far slower than fp32. On one thread: the question is the kernels' path, and one thread is not
+    thrown off by other work on the cores."""
     t0, threads = time.perf_counter(), torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         shape = (16, 256, 256)
-        got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=2) for dt in (torch.float32, torch.bfloat16)}
-        bf16_path = got["bfloat16"] >= got["float32"] / 4  # else no hardware bf16 path: the full shape takes ~0.3 s
+        got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=2)
+               for dt in (torch.float32, torch.bfloat16)}
+        # else no hardware bf16 path: the full shape takes ~0.3 s
+        bf16_path = got["bfloat16"] >= got["float32"] / 4
         if bf16_path:
             shape = (m, k, n)
             got = {str(dt)[6:]: matmul_gflops(dt, *shape, repeats=3, budget_s=0.03)
@@ -108,20 +124,22 @@ def probe_dtype(m=128, k=576, n=1536) -> dict:
     return {**got, "bf16_path": bf16_path, "shape": shape, "probe_s": time.perf_counter() - t0}
 
 
-def choose_dtype(device_type: str, fp32_gflops: float = 0.0, bf16_gflops: float = 0.0) -> tuple[str, str]:
-    """model.dtype = "auto" -> (dtype, why): bf16 on a GPU; on a CPU bf16 only if its matmuls are at least
-    BF16_MIN_SPEEDUP times fp32's on this machine."""
+def choose_dtype(device_type: str, fp32_gflops: float = 0.0,
+                 bf16_gflops: float = 0.0) -> tuple[str, str]:
+    """model.dtype = "auto" -> (dtype, why): bf16 on a GPU; on a CPU bf16 only if its matmuls are at
+    least BF16_MIN_SPEEDUP times fp32's on this machine."""
     if device_type == "cuda":
         return "bfloat16", "GPU"
     ratio = bf16_gflops / fp32_gflops if fp32_gflops > 0 else 0.0
     dtype = "bfloat16" if ratio >= BF16_MIN_SPEEDUP else "float32"
-    return dtype, (f"bf16 matmul {bf16_gflops:.1f} vs fp32 {fp32_gflops:.1f} GFLOP/s on this CPU ({ratio:.2f}x; "
-                   f"bf16 needs >= {BF16_MIN_SPEEDUP}x)")
+    return dtype, (f"bf16 matmul {bf16_gflops:.1f} vs fp32 {fp32_gflops:.1f} GFLOP/s on this CPU "
+                   f"({ratio:.2f}x; bf16 needs >= {BF16_MIN_SPEEDUP}x)")
 
 
 def resolve_dtype(cfg, say: bool = True) -> None:
-    """Replace cfg.model.dtype = "auto" by the dtype this machine runs faster, and say which and why (say: rank 0
-    only, since every rank measures for itself; dist.agree then checks that they chose alike)."""
+    """Replace cfg.model.dtype = "auto" by the dtype this machine runs faster, and say which and why
+    (say: rank 0 only, since every rank measures for itself; dist.agree then checks that they chose
+    alike)."""
     if cfg.model.dtype != "auto":
         return
     if torch.cuda.device_count():
@@ -135,9 +153,9 @@ def resolve_dtype(cfg, say: bool = True) -> None:
 
 
 def thread_budget(cores, local_procs: int, local_rank: int) -> list[int]:
-    """This process's share of `cores` (CPU ids, or a count meaning 0..n-1) when `local_procs` processes of a job share
-    them: equal contiguous slices, the remainder to the first ranks; one core each where there are more processes than
-    cores."""
+    """This process's share of `cores` (CPU ids, or a count meaning 0..n-1) when `local_procs`
+    processes of a job share them: equal contiguous slices, the remainder to the first ranks; one
+    core each where there are more processes than cores."""
     ids = sorted(cores) if not isinstance(cores, int) else list(range(cores))
     if local_procs >= len(ids):
         return [ids[local_rank % len(ids)]]
@@ -147,8 +165,8 @@ def thread_budget(cores, local_procs: int, local_rank: int) -> list[int]:
 
 
 def omp_cap(environ) -> int:
-    """OMP_NUM_THREADS as a cap (0: none). Set by hand for processes run side by side, and by torchrun (1) when it
-    starts several ranks and the variable is unset."""
+    """OMP_NUM_THREADS as a cap (0: none). Set by hand for processes run side by side, and by
+    torchrun (1) when it starts several ranks and the variable is unset."""
     try:
         return max(0, int(environ.get("OMP_NUM_THREADS", "0").split(",")[0]))
     except ValueError:
@@ -171,75 +189,92 @@ def huge_pages() -> str:
 
 
 def thp_mode() -> str:
-    """The kernel's transparent huge page mode: "always" or "madvise" honour the allocator's hint; "never" does not."""
+    """The kernel's transparent huge page mode: "always" or "madvise" honour the allocator's hint;
+    "never" does not."""
     try:  # the file reads "always [madvise] never"
-        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().split("[")[1].split("]")[0]
+        return (open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+                .split("[")[1].split("]")[0])
     except (OSError, IndexError):
         return "unknown"
 
 
-huge_pages()  # at import: the trainers and bench/ import this before their first tensor, whatever they build first
+# at import: the trainers and bench/ import this before their first tensor, whatever they build
+# first
+huge_pages()
 
 
 def set_threads(rank: int = 0) -> list[int]:
-    """Apply this process's thread budget (torchrun's LOCAL_WORLD_SIZE / LOCAL_RANK; plain python is one process),
-    capped by OMP_NUM_THREADS: torch's intra-op threads, and VLLM_CPU_OMP_THREADS_BIND for a CPU vLLM engine this
-    process may start (vLLM's own default binds every core of the node). Logs it, with huge_pages' setting. Returns
-    the cores taken."""
+    """Apply this process's thread budget (torchrun's LOCAL_WORLD_SIZE / LOCAL_RANK; plain python is
+    one process), capped by OMP_NUM_THREADS: torch's intra-op threads, and VLLM_CPU_OMP_THREADS_BIND
+    for a CPU vLLM engine this process may start (vLLM's own default binds every core of the node).
+    Logs it, with huge_pages' setting. Returns the cores taken."""
     pages = huge_pages()
-    local_procs, local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    local_procs, local_rank = (int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                               int(os.environ.get("LOCAL_RANK", 0)))
     cores, cap = os.sched_getaffinity(0), omp_cap(os.environ)
     mine = thread_budget(cores, local_procs, local_rank)[:cap or None]
     torch.set_num_threads(len(mine))
     if not torch.cuda.device_count() and not _USER_BIND:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-    print(f"threads: rank {rank} takes {len(mine)} of {len(cores)} cores (cpus {mine}; {local_procs} process(es) "
-          f"on this node{f', OMP_NUM_THREADS={cap}' if cap else ''}); {pages}", flush=True)
+    print(f"threads: rank {rank} takes {len(mine)} of {len(cores)} cores (cpus {mine}; "
+          f"{local_procs} process(es) on this node{f', OMP_NUM_THREADS={cap}' if cap else ''}); "
+          f"{pages}", flush=True)
     return mine
 
 
 def roofline(shapes=()) -> dict:
-    """A bench result's first record: info(), memory read GB/s, the dtype probe, and fp32 and bf16 matmul GFLOP/s
-    at 2048^3 and at each (m, k, n) in `shapes` (e.g. the decode step's and the update's), on this process's threads.
-    Where the probe found no hardware bf16 path, bf16 is not timed again (a 2048^3 matmul would take ~60 s)."""
+    """A bench result's first record: info(), memory read GB/s, the dtype probe, and fp32 and bf16
+    matmul GFLOP/s at 2048^3 and at each (m, k, n) in `shapes` (e.g. the decode step's and the
+    update's), on this process's threads. Where the probe found no hardware bf16 path, bf16 is not
+    timed again (a 2048^3 matmul would take ~60 s)."""
     probe = probe_dtype()
     out = {**info(), "read_gbps": read_gbps(), "dtype_probe": probe,
            "auto_dtype": choose_dtype("cpu", probe["float32"], probe["bfloat16"])[0]}
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16} if probe["bf16_path"] else {"fp32": torch.float32}
+    dtypes = ({"fp32": torch.float32, "bf16": torch.bfloat16} if probe["bf16_path"]
+              else {"fp32": torch.float32})
     for shape in ((2048, 2048, 2048), *shapes):
         suffix = "" if shape == (2048, 2048, 2048) else "_" + "x".join(map(str, shape))
-        for name, dt in dtypes.items():  # fp32_gflops / bf16_gflops at 2048^3, fp32_gflops_<m>x<k>x<n> at the others
+        # fp32_gflops / bf16_gflops at 2048^3, fp32_gflops_<m>x<k>x<n> at the others
+        for name, dt in dtypes.items():
             out[f"{name}_gflops{suffix}"] = matmul_gflops(dt, *shape, repeats=3)
     return out
 
 
-# Box B (AVX2, 2 threads), 16 rows x SmolLM2-135M's weights: F.linear 14-35 GFLOP/s, the weight reordered once into
-# oneDNN's blocked layout 45-53 (the 576 x 49152 lm_head: 14 -> 52). oneDNN's ~50 us a call loses below this many
-# weight elements (576 x 192: even; the toy's 128 x 384: 2x slower). bench/decode.py measures both.
+# Box B (AVX2, 2 threads), 16 rows x SmolLM2-135M's weights: F.linear 14-35 GFLOP/s, the weight
+# reordered once into oneDNN's blocked layout 45-53 (the 576 x 49152 lm_head: 14 -> 52). oneDNN's
+# ~50 us a call loses below this many weight elements (576 x 192: even; the toy's 128 x 384: 2x
+# slower). bench/decode.py measures both.
 ONEDNN_MIN_WEIGHT = 1 << 18
 
 
-FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}  # model.Attention's, MLP's
+# model.Attention's, MLP's
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
 def onednn_weights(model, rows: int) -> dict:
-    """{module: (attribute, weight, bias, split sizes)}: the Linears big enough to gain, each weight reordered for
-    oneDNN's matmul at about `rows` rows, to run as the module's `forward`; the projections that read the same input
-    (FUSED: a block's q, k and v, its gate and up) stacked into one matmul, run as model.Attention.qkv or MLP.gate_up
-    and split after (one call instead of three: the k and v projections alone are too small to gain). A module
-    whose method a fork changed (a subclass, or a patched method or Linear) keeps its own code. {} where it does
-    not apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16, sharded
-    (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
+    """{module: (attribute, weight, bias, split sizes)}: the Linears big enough to gain, each weight
+    reordered for oneDNN's matmul at about `rows` rows, to run as the module's `forward`; the
+    projections that read the same input (FUSED: a block's q, k and v, its gate and up) stacked into
+    one matmul, run as model.Attention.qkv or MLP.gate_up and split after (one call instead of
+    three: the k and v projections alone are too small to gain). A module whose method a fork
+    changed (a subclass, or a patched method or Linear) keeps its own code. {} where it does not
+    apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16,
+    sharded (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights
+    change."""
     from torch.distributed.tensor import DTensor
     if not torch.backends.mkldnn.is_available():
         return {}
-    dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    dtypes = ((torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported()
+              else (torch.float32,))
 
     import model as model_lib
-    own = {"qkv": model_lib.Attention.qkv, "gate_up": model_lib.MLP.gate_up, "forward": torch.nn.Linear.forward}
+    own = {"qkv": model_lib.Attention.qkv, "gate_up": model_lib.MLP.gate_up,
+           "forward": torch.nn.Linear.forward}
 
-    def untouched(mod, attr):  # model.py's own method runs there, not a subclass's or a patched one: a fork's
-        return attr not in vars(mod) and getattr(type(mod), attr, None) is own[attr]  # change stays in force
+    # model.py's own method runs there, not a subclass's or a patched one: a fork's change stays in
+    # force
+    def untouched(mod, attr):
+        return attr not in vars(mod) and getattr(type(mod), attr, None) is own[attr]
 
     def fits(mod):
         return (isinstance(mod, torch.nn.Linear) and untouched(mod, "forward")
@@ -251,23 +286,27 @@ def onednn_weights(model, rows: int) -> dict:
             lins = [getattr(mod, n, None) for n in names]
             if not hasattr(mod, attr) or not untouched(mod, attr):
                 continue
-            if all(fits(lin) for lin in lins) and sum(lin.weight.numel() for lin in lins) >= ONEDNN_MIN_WEIGHT:
+            if (all(fits(lin) for lin in lins)
+                    and sum(lin.weight.numel() for lin in lins) >= ONEDNN_MIN_WEIGHT):
                 w = torch.cat([lin.weight.detach() for lin in lins])
                 b = None if all(lin.bias is None for lin in lins) else torch.cat(
-                    [lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features) for lin in lins])
+                    [lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
+                     for lin in lins])
                 out[mod] = (attr, torch.ops.mkldnn._reorder_linear_weight(w, rows), b,
                             [lin.out_features for lin in lins])
                 done.update(lins)
     for mod in model.modules():
         if mod not in done and fits(mod) and mod.weight.numel() >= ONEDNN_MIN_WEIGHT:
-            out[mod] = ("forward", torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows), mod.bias, None)
+            out[mod] = ("forward",
+                        torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows),
+                        mod.bias, None)
     return out
 
 
 @contextlib.contextmanager
 def linears_on(weights: dict):
-    """Within the block, each module in `weights` multiplies by its reordered weight (same math, fp32 summation in
-    another order: ~1e-6 relative)."""
+    """Within the block, each module in `weights` multiplies by its reordered weight (same math,
+    fp32 summation in another order: ~1e-6 relative)."""
     for mod, (attr, w, b, sizes) in weights.items():
         def mm(x, w=w, b=b, sizes=sizes):
             y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")

@@ -271,15 +271,16 @@ BUILTIN = {"math": MathReward, "think": ThinkingReward, "format": FormatReward,
            "code": CodeReward}
 
 
-# ---------------------------------------------------------------------------------------------------
-# From `rollout.rewards` to a batch's rewards: the trainers' side (rollout.py scores each step with it)
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# From `rollout.rewards` to a batch's rewards: the trainers' side (rollout.py scores each step with
+# it)
+# --------------------------------------------------------------------------------------------------
 def reward_specs(entries, accuracy="math"):
     """`rollout.rewards` -> [(name, factory, kwargs, weight)]. A key is a built-in (BUILTIN) or
-    "package.module:Name" / "path/to/file.py:Name" (a class, instantiated with the kwargs, or a function); a value
-    is its weight, or {"weight": w, **kwargs}. `accuracy` ("math" unless rollout.accuracy says) is always there,
-    with weight 0 unless listed: it is the accuracy metric whatever else is summed. Imports only (the config
-    check); make_rewards instantiates."""
+    "package.module:Name" / "path/to/file.py:Name" (a class, instantiated with the kwargs, or a
+    function); a value is its weight, or {"weight": w, **kwargs}. `accuracy` ("math" unless
+    rollout.accuracy says) is always there, with weight 0 unless listed: it is the accuracy metric
+    whatever else is summed. Imports only (the config check); make_rewards instantiates."""
     specs = []
     for key, value in {**entries, accuracy: entries.get(accuracy, 0.0)}.items():
         kwargs = dict(value) if isinstance(value, dict) else {"weight": value}
@@ -292,7 +293,8 @@ def reward_specs(entries, accuracy="math"):
 
 
 def make_rewards(cfg):
-    """({name: callable}, {name: weight}), each reward instantiated once, here (picklable for RewardPool)."""
+    """({name: callable}, {name: weight}), each reward instantiated once, here (picklable for
+    RewardPool)."""
     fns, weights = {}, {}
     for name, factory, kwargs, weight in reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy):
         try:
@@ -301,25 +303,31 @@ def make_rewards(cfg):
         except TypeError as e:  # wrong keyword arguments for the class
             raise config.ConfigError(f"rollout.rewards: {name}({kwargs}) failed: {e}") from None
         if not callable(fns[name]):
-            raise config.ConfigError(f"rollout.rewards: a {name} instance is not callable (no __call__)")
+            raise config.ConfigError(
+                f"rollout.rewards: a {name} instance is not callable (no __call__)")
         weights[name] = weight
     return fns, weights
 
 
 def score(groups, problems, reward_fns, weights, cfg, pool=None):
-    """Rewards (B, G) of this rank's groups: the weighted total, and the accuracy reward's part (correctness)."""
+    """Rewards (B, G) of this rank's groups: the weighted total, and the accuracy reward's part
+    (correctness)."""
     prompts, responses, targets, ends = [], [], [], []
     for p, comps in zip(problems, groups):
         for c in comps:
             prompts.append(p["question"])
-            responses.append(c.text)  # a multi-turn episode's last reply, against the env's target if it has one
+            # a multi-turn episode's last reply, against the env's target if it has one
+            responses.append(c.text)
             targets.append(c.metadata.get("target") or str(p["target"]))
             ends.append((c.metadata.get("end"), c.metadata.get("env_reward")))
     acc = cfg.rollout.accuracy
     total, stats, parts = score_batch(reward_fns, weights, prompts, responses, targets,
-                                                   timeout_s=cfg.rollout.reward_timeout_s, pool=pool, per_reward=True)
-    if cfg.rollout.env:  # an episode scores the env's reward plus the rewards on its last reply; an env error 0
-        total = [0.0 if end == "error" else t + (env_r or 0.0) for t, (end, env_r) in zip(total, ends)]
+                                      timeout_s=cfg.rollout.reward_timeout_s, pool=pool,
+                                      per_reward=True)
+    # an episode scores the env's reward plus the rewards on its last reply; an env error 0
+    if cfg.rollout.env:
+        total = [0.0 if end == "error" else t + (env_r or 0.0)
+                 for t, (end, env_r) in zip(total, ends)]
         parts[acc] = [0.0 if end == "error" else m for m, (end, _) in zip(parts[acc], ends)]
     view = lambda x: torch.tensor(x, dtype=torch.float32).view(len(groups), -1)  # noqa: E731
     return view(total), view(parts[acc]), stats

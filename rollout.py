@@ -1,45 +1,50 @@
-"""One step's batch for train_grpo.py: the train and held-out problems (`load_tasks`), which prompts a step
-uses (from seed, step and refill round), generation shared across the ranks that hold a generator, collecting
-the completions to the trainers, DAPO's refill, rewards for a batch (`score`), and the held-out eval.
+"""One step's batch for train_grpo.py: the train and held-out problems (`load_tasks`), which prompts
+a step uses (from seed, step and refill round), generation shared across the ranks that hold a
+generator, collecting the completions to the trainers, DAPO's refill, rewards for a batch (`score`),
+and the held-out eval.
 
-A producer is a rank with a generator: each dedicated generator rank, or with `dist.generator_ranks = 0`
-every trainer rank (colocated). Producer i generates problems i::num_producers (`generate_share`);
-`collect` all-gathers the shares over the whole world and puts them back in prompt order, so every
-trainer rank holds all B groups and keeps its own data-parallel slice. Trainers score their slice
-(`score`, in a killable process pool when `rollout.reward_workers > 0`); generator ranks never score.
+A producer is a rank with a generator: each dedicated generator rank, or with
+`dist.generator_ranks = 0` every trainer rank (colocated). Producer i generates problems
+i::num_producers (`generate_share`); `collect` all-gathers the shares over the whole world and puts
+them back in prompt order, so every trainer rank holds all B groups and keeps its own data-parallel
+slice. Trainers score their slice (`score`, in a killable process pool when
+`rollout.reward_workers > 0`); generator ranks never score.
 
-Prompts are a pure function of (seed, step) (`data.step_batch`: epoch e is a fixed permutation of the
-train set), and so are the sampling seeds (seeds.py). Every rank derives step s's prompts alone, so
-generators need no prompt traffic, and a run resumed at step s continues the data order exactly.
+Prompts are a pure function of (seed, step) (`data.step_batch`: epoch e is a fixed permutation of
+the train set), and so are the sampling seeds (seeds.py). Every rank derives step s's prompts alone,
+so generators need no prompt traffic, and a run resumed at step s continues the data order exactly.
 
-A dedicated generator rank runs train_grpo.generator_loop, beside main(): both read train_grpo.schedule for
-what happens at step s (the batch, all_gather_object; the weight sync, broadcast; the eval, one
-all_gather_object, two with pass@k), so they never disagree about what comes next; if they did, the run
-would hang until `dist.timeout_s`. With `rollout.max_staleness >= 1` the generator produces batch s+1 right
-after handing over batch s, before that sync, so it generates while the trainers update on batch s: a
-one-batch pipeline whose weights are at most one version old (each completion carries the version that
-sampled it).
+A dedicated generator rank runs train_grpo.generator_loop, beside main(): both read
+train_grpo.schedule for what happens at step s (the batch, all_gather_object; the weight sync,
+broadcast; the eval, one all_gather_object, two with pass@k), so they never disagree about what
+comes next; if they did, the run would hang until `dist.timeout_s`. With
+`rollout.max_staleness >= 1` the generator produces batch s+1 right after handing over batch s,
+before that sync, so it generates while the trainers update on batch s: a one-batch pipeline whose
+weights are at most one version old (each completion carries the version that sampled it).
 
-Colocated (`dist.generator_ranks = 0`) with `max_staleness >= 1`, a trainer generates batch s+1 before it
-updates on batch s: the same data as the pipeline (batch s sampled by the weights one version old), without
-the overlap, so a loss's behaviour under staleness can be measured on one CPU process.
+Colocated (`dist.generator_ranks = 0`) with `max_staleness >= 1`, a trainer generates batch s+1
+before it updates on batch s: the same data as the pipeline (batch s sampled by the weights one
+version old), without the overlap, so a loss's behaviour under staleness can be measured on one CPU
+process.
 
-DAPO's dynamic sampling (`rollout.filter_zero_std`) refills the batch: a group whose G rewards are all
-equal has zero advantage, so after each round rank 0 scores the round's groups, broadcasts which are
-informative (0 < std) to every rank, and the producers generate another round of B fresh prompts, at
-most `rollout.refill_rounds` times, until B informative groups are collected (`refill`). Round k's
-prompts and sampling seeds are a pure function of (seed, step, k), so a resumed run redraws the same
-rounds. If the cap is reached first, zero-signal groups fill the remaining slots and the trainer masks
-them out (DAPO's filter without the refill is `refill_rounds = 0`).
+DAPO's dynamic sampling (`rollout.filter_zero_std`) refills the batch: a group whose G rewards are
+all equal has zero advantage, so after each round rank 0 scores the round's groups, broadcasts which
+are informative (0 < std) to every rank, and the producers generate another round of B fresh
+prompts, at most `rollout.refill_rounds` times, until B informative groups are collected (`refill`).
+Round k's prompts and sampling seeds are a pure function of (seed, step, k), so a resumed run
+redraws the same rounds. If the cap is reached first, zero-signal groups fill the remaining slots
+and the trainer masks them out (DAPO's filter without the refill is `refill_rounds = 0`).
 
-Multi-turn (`rollout.env`): engine.build_generator wraps the engine in episodes.MultiTurn, and generate_share
-plays whole episodes where it would sample completions; everything above (sharing, collection, refill,
-staleness, eval) is unchanged, and score adds each episode's env reward to the rewards of its last reply.
+Multi-turn (`rollout.env`): engine.build_generator wraps the engine in episodes.MultiTurn, and
+generate_share plays whole episodes where it would sample completions; everything above (sharing,
+collection, refill, staleness, eval) is unchanged, and score adds each episode's env reward to the
+rewards of its last reply.
 
-Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), overlapping generation and
-training in colocated mode, and streaming or partial rollouts (a step's batch is collected whole). A run
-resumed at step s with staleness >= 1 samples batch s with the restored weights (version s, not s-1: the
-checkpoint holds no older weights), so its first batch is on-policy; the prompts are the same.
+Left out: running more than one batch ahead (any max_staleness >= 1 acts as 1), overlapping
+generation and training in colocated mode, and streaming or partial rollouts (a step's batch is
+collected whole). A run resumed at step s with staleness >= 1 samples batch s with the restored
+weights (version s, not s-1: the checkpoint holds no older weights), so its first batch is
+on-policy; the prompts are the same.
 """
 import time
 
@@ -55,16 +60,17 @@ import seeds
 
 
 def load_tasks(cfg, tok):
-    """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the prompt log);
-    too-long prompts dropped or truncated (data.long_prompts), counted."""
+    """Train and held-out problems as dicts with prompt_ids and an id (the train index, for the
+    prompt log); too-long prompts dropped or truncated (data.long_prompts), counted."""
     train = data.problems(cfg.data, "train", cfg.train.seed)
     held_out = data.problems(cfg.data, "test", cfg.train.seed, cfg.eval.num_problems)
     num_long, L = 0, cfg.data.max_prompt_tokens
     for split in (train, held_out):
         keep = []
         for p in split:  # with an env, the prompt is its opening conversation (envs.py)
-            p["prompt_ids"] = episodes.opening_ids(tok, episodes.make_env(cfg, p)) if cfg.rollout.env else \
-                data.prompt_ids(tok, p["question"] + cfg.data.instruction)
+            p["prompt_ids"] = (
+                episodes.opening_ids(tok, episodes.make_env(cfg, p)) if cfg.rollout.env
+                else data.prompt_ids(tok, p["question"] + cfg.data.instruction))
             num_long += len(p["prompt_ids"]) > L
             if len(p["prompt_ids"]) > L and cfg.data.long_prompts == "truncate":
                 p["prompt_ids"] = p["prompt_ids"][-L:]
@@ -74,7 +80,8 @@ def load_tasks(cfg, tok):
     for i, p in enumerate(train):
         p["id"] = i
     if not train:
-        raise RuntimeError(f"no training prompts left: all are longer than data.max_prompt_tokens={L}")
+        raise RuntimeError(
+            f"no training prompts left: all are longer than data.max_prompt_tokens={L}")
     return train, held_out, num_long
 
 
@@ -82,23 +89,28 @@ def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, 
     """This producer's share (problems producer::num_producers), tagged with their global index."""
     mine = list(range(producer, len(problems), num_producers))
     t0 = time.perf_counter()
-    sampling = dict(n=n, temperature=temperature, top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
-                    top_k=cfg.rollout.top_k if temperature > 0 else -1, max_tokens=cfg.rollout.max_tokens, seed=seed)
+    sampling = dict(n=n, temperature=temperature,
+                    top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
+                    top_k=cfg.rollout.top_k if temperature > 0 else -1,
+                    max_tokens=cfg.rollout.max_tokens, seed=seed)
     if isinstance(gen, episodes.MultiTurn):  # multi-turn: each completion is a whole episode
         out = gen.episodes([problems[i] for i in mine], **sampling)
     else:
         out = gen.generate([problems[i]["prompt_ids"] for i in mine], **sampling)
-    generator.check_completions(out, len(mine), n)  # fewer completions than asked: an error, not a shape crash
+    # fewer completions than asked: an error, not a shape crash
+    generator.check_completions(out, len(mine), n)
     return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
 
 
 def sample_seed(cfg, step, round_=0):
-    """Sampling seed of step `step`'s generation round `round_` (0: the batch itself, k >= 1: DAPO refills)."""
+    """Sampling seed of step `step`'s generation round `round_` (0: the batch itself, k >= 1: DAPO
+    refills)."""
     return seeds.seed(cfg.train.seed, "sample", step, round_)
 
 
 def round_problems(train, step, round_, cfg):
-    """Step `step`'s prompts (round 0), or its k-th refill round's: B prompts from a stream of their own."""
+    """Step `step`'s prompts (round 0), or its k-th refill round's: B prompts from a stream of their
+    own."""
     return data.step_batch(train, step, cfg.rollout.prompts_per_step, cfg.train.seed,
                            "order" if round_ == 0 else f"refill_{round_}")
 
@@ -109,11 +121,13 @@ def generate_step(gen, train, step, cfg, producer, num_producers, round_=0):
         return None
     dist.fault("kill_gen", step)  # test hook: SIGKILL this rank as it starts generating step s
     return generate_share(gen, round_problems(train, step, round_, cfg), producer, num_producers,
-                          cfg.rollout.group_size, cfg.rollout.temperature, cfg, seed=sample_seed(cfg, step, round_))
+                          cfg.rollout.group_size, cfg.rollout.temperature, cfg,
+                          seed=sample_seed(cfg, step, round_))
 
 
 def informative(groups, problems, scorer):
-    """(B,) bools, the same on every rank: rank 0 (a trainer) scores, every rank takes its broadcast."""
+    """(B,) bools, the same on every rank: rank 0 (a trainer) scores, every rank takes its
+    broadcast."""
     flags = [None]
     if tdist.get_rank() == 0:
         flags = [(~losses.zero_std_groups(scorer(groups, problems))).tolist()]
@@ -122,8 +136,9 @@ def informative(groups, problems, scorer):
 
 
 def refill(gen, train, step, problems, groups, cfg, producer, num_producers, scorer=None):
-    """DAPO dynamic sampling: up to `rollout.refill_rounds` more rounds until B groups have 0 < std (module
-    docstring). Returns the batch, informative groups first in the order drawn, and what it cost."""
+    """DAPO dynamic sampling: up to `rollout.refill_rounds` more rounds until B groups have 0 < std
+    (module docstring). Returns the batch, informative groups first in the order drawn, and what it
+    cost."""
     B, kept, spare, rounds, gen_s = cfg.rollout.prompts_per_step, [], [], 0, 0.0
     while True:
         for p, g, ok in zip(problems, groups, informative(groups, problems, scorer)):
@@ -132,33 +147,37 @@ def refill(gen, train, step, problems, groups, cfg, producer, num_producers, sco
             break
         rounds += 1
         problems = round_problems(train, step, rounds, cfg)
-        groups, t = collect(generate_step(gen, train, step, cfg, producer, num_producers, rounds), B)
+        groups, t = collect(generate_step(gen, train, step, cfg, producer,
+                                          num_producers, rounds), B)
         gen_s += t
     chosen = (kept + spare)[:B]
-    stats = {"rollout/refill_rounds": float(rounds), "rollout/prompts_drawn": float(B * (rounds + 1)),
+    stats = {"rollout/refill_rounds": float(rounds),
+             "rollout/prompts_drawn": float(B * (rounds + 1)),
              "rollout/informative_groups": float(min(len(kept), B))}
     return [p for p, _ in chosen], [g for _, g in chosen], gen_s, stats
 
 
 def step_rollout(gen, train, step, cfg, producer, num_producers, local=None, scorer=None):
-    """Step `step`'s batch on every rank: prompts, generation (or the share made one step ahead: `local`),
-    collected in prompt order, refilled under dynamic sampling. Returns problems, groups, gen_s, stats."""
+    """Step `step`'s batch on every rank: prompts, generation (or the share made one step ahead:
+    `local`), collected in prompt order, refilled under dynamic sampling. Returns problems, groups,
+    gen_s, stats."""
     local = local or generate_step(gen, train, step, cfg, producer, num_producers)
     t0 = time.perf_counter()
     groups, gen_s = collect(local, cfg.rollout.prompts_per_step)
     problems, stats = round_problems(train, step, 0, cfg), {"perf/wait_s": time.perf_counter() - t0}
     if cfg.rollout.filter_zero_std:
-        problems, groups, more_s, fill = refill(gen, train, step, problems, groups, cfg, producer, num_producers,
-                                                scorer)
+        problems, groups, more_s, fill = refill(gen, train, step, problems, groups, cfg, producer,
+                                                num_producers, scorer)
         gen_s += more_s
         stats.update(fill)
     return problems, groups, gen_s, stats
 
 
 def collect(local, num_problems):
-    """All-gather every producer's share (trainers without a generator send None); order by index. One process
-    gathers nothing: gloo would copy the pickle in its own thread, whose OpenMP team then outnumbers the cores and
-    makes every later parallel region's threads sleep between regions (generation ~30% slower after step 0)."""
+    """All-gather every producer's share (trainers without a generator send None); order by index.
+    One process gathers nothing: gloo would copy the pickle in its own thread, whose OpenMP team
+    then outnumbers the cores and makes every later parallel region's threads sleep between regions
+    (generation ~30% slower after step 0)."""
     shares = [local]
     if tdist.get_world_size() > 1:
         shares = [None] * tdist.get_world_size()
@@ -179,9 +198,9 @@ def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_t
         local = generate_share(gen, held_out, producer, num_producers, 1, 0.0, cfg,
                                seed=seeds.seed(cfg.train.seed, "eval", step))
         if cfg.eval.pass_k:
-            local["k"] = generate_share(gen, held_out, producer, num_producers, cfg.eval.pass_k,
-                                        cfg.rollout.temperature, cfg,
-                                        seed=seeds.seed(cfg.train.seed, "pass_k", step))["completions"]
+            local["k"] = generate_share(
+                gen, held_out, producer, num_producers, cfg.eval.pass_k, cfg.rollout.temperature,
+                cfg, seed=seeds.seed(cfg.train.seed, "pass_k", step))["completions"]
     greedy, _ = collect(local, len(held_out))
     if cfg.eval.pass_k:  # a second collective: generators must take part before they return
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))

@@ -21,11 +21,12 @@ Deliberate departures from the papers:
 - the KL term and loss aggregation follow losses.py's canonical choices (see its docstring);
 - micro-batches are weighted by their share of sequences, an approximation for token-mean losses
   when token counts differ between micro-batches (verl and TRL make the same trade);
-- DAPO's dynamic sampling refills with at most `rollout.refill_rounds` extra rounds, then masks what is left;
+- DAPO's dynamic sampling refills with at most `rollout.refill_rounds` extra rounds, then masks what
+  is left;
 - REINFORCE++ whitening uses each data-parallel rank's local batch, not the global one.
 
 Launch lines:
-    CPU, one process (default):    python train_grpo.py configs/tiny.py       (colocated torch generator)
+    CPU, one process (default):    python train_grpo.py configs/tiny.py  (colocated torch generator)
     CPU, 1 trainer + 1 vLLM rank:  torchrun --nproc_per_node=2 train_grpo.py configs/tiny.py \
                                        --dist.generator_ranks=1 --rollout.backend=vllm
     1 GPU (colocated):             python train_grpo.py configs/gsm8k_1gpu.py
@@ -66,22 +67,29 @@ import weight_sync
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Model:
-    path: str = ""                  # HF checkpoint dir, a hub name, or "tiny:<dir>" (tiny random model, made if missing)
-    dtype: str = "auto"             # compute: float32 | bfloat16 (bf16 params, fp32 reduce) | auto: bf16 on a GPU;
-                                    # on CPU whichever this machine's matmuls run faster (machine.choose_dtype)
+    path: str = ""                  # HF checkpoint dir, a hub name, or "tiny:<dir>" (tiny random
+                                    # model, made if missing)
+    dtype: str = "auto"             # compute: float32 | bfloat16 (bf16 params, fp32 reduce) | auto:
+                                    # bf16 on a GPU; on CPU whichever this machine's matmuls run
+                                    # faster (machine.choose_dtype)
 
 
 @dataclass
 class Data:
-    name: str = "arith"             # arith | code (synthetic, CPU) | gsm8k | "pkg.module:fn" / "file.py:fn", fn(source, split)
-    source: str = "openai/gsm8k"    # train split: hub name or local .jsonl/.parquet (gsm8k); any string (own loader)
+    name: str = "arith"             # arith | code (synthetic, CPU) | gsm8k | "pkg.module:fn" /
+                                    # "file.py:fn", fn(source, split)
+    source: str = "openai/gsm8k"    # train split: hub name or local .jsonl/.parquet (gsm8k); any
+                                    # string (own loader)
     eval_source: str = ""           # held-out split: "" = `source` with split "test"
-    instruction: str = ""           # appended to every gsm8k question (e.g. "put the answer in \\boxed{}")
+    instruction: str = ""           # appended to every gsm8k question (e.g. "put the answer in
+                                    # \\boxed{}")
     min_digits: int = 2             # arith: operand size of RL and eval problems
     max_digits: int = 2             # arith: largest operand size
     max_prompt_tokens: int = 512    # longer prompts are dropped or truncated (counted in the log)
-    long_prompts: str = "drop"      # drop | truncate (keeps the last tokens: the generation prompt survives)
-    max_bad_fraction: float = 0.01  # gsm8k: skip malformed rows (counted, first shown); abort above this fraction
+    long_prompts: str = "drop"      # drop | truncate (keeps the last tokens: the generation prompt
+                                    # survives)
+    max_bad_fraction: float = 0.01  # gsm8k: skip malformed rows (counted, first shown); abort above
+                                    # this fraction
 
 
 @dataclass
@@ -89,41 +97,56 @@ class Rollout:
     prompts_per_step: int = 32      # B: prompts per optimizer step (global)
     group_size: int = 8             # G: samples per prompt
     temperature: float = 1.0        # sampling temperature; logprobs are of the tempered policy
-    top_p: float = 1.0              # nucleus sampling (1.0 = off; logprobs then ignore the truncation)
+    top_p: float = 1.0              # nucleus sampling (1.0 = off; logprobs then ignore the
+                                    # truncation)
     top_k: int = -1                 # top-k sampling (-1 = off)
     max_tokens: int = 40            # response budget; also DAPO's L_max and Dr.GRPO's C
-    backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: as measured (default_backend)
-    kv_cache_mb: int = 0            # vLLM KV cache per engine in MB (not a RAM fraction); 0 = one step's worth
-    gpu_memory_utilization: float = 0.9  # vLLM on CUDA: share of the GPU for weights + KV + graphs, checked against
-                                    # free memory at start; colocated it must leave the trainer room (e.g. 0.3)
-    onednn: bool = True             # torch generator on CPU: large Linears on oneDNN-reordered weights, q/k/v and
-                                    # gate/up stacked (machine.onednn_weights; a module a fork changed is left as is)
-    enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode is launch-bound)
+    backend: str = "auto"           # vllm | torch (pure torch over model.py) | auto: as measured
+                                    # (default_backend)
+    kv_cache_mb: int = 0            # vLLM KV cache per engine in MB (not a RAM fraction); 0 = one
+                                    # step's worth
+    gpu_memory_utilization: float = 0.9  # vLLM on CUDA: share of the GPU for weights + KV + graphs,
+                                    # checked against free memory at start; colocated it must leave
+                                    # the trainer room (e.g. 0.3)
+    onednn: bool = True             # torch generator on CPU: large Linears on oneDNN-reordered
+                                    # weights, q/k/v and gate/up stacked (machine.onednn_weights; a
+                                    # module a fork changed is left as is)
+    enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode
+                                    # is launch-bound)
     max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
-    filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all equal, and refill
-    refill_rounds: int = 4          # dynamic sampling: at most this many extra rounds of B prompts per step until
-                                    # B groups have 0 < std (0 = drop only; the rest is masked out if the cap hits)
+    filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all
+                                    # equal, and refill
+    refill_rounds: int = 4          # dynamic sampling: at most this many extra rounds of B prompts
+                                    # per step until B groups have 0 < std (0 = drop only; the rest
+                                    # is masked out if the cap hits)
     overlong_cache: int = 0         # DAPO soft overlong punishment window L_cache (0 = off)
-    rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w, **kwargs}:
-                                    # math|think|format|code | "pkg.module:Name" | "path/file.py:Name" (see rollout.py)
-    accuracy: str = "math"          # the reward whose 1.0 is "correct": rollout/accuracy and eval pass@k (code: "code")
+    rewards: dict = field(default_factory=lambda: {"math": 1.0})  # name -> weight, or {"weight": w,
+                                    # **kwargs}: math|think|format|code | "pkg.module:Name" |
+                                    # "path/file.py:Name" (see rollout.py)
+    accuracy: str = "math"          # the reward whose 1.0 is "correct": rollout/accuracy and eval
+                                    # pass@k (code: "code")
     reward_timeout_s: float = 2.0   # a reward call past this scores 0 and is counted
     reward_workers: int = 0         # >0: score in a killable process pool (survives C-level hangs)
-    env: str | dict = ""            # multi-turn (envs.py, episodes.py): calculator | retry | guess | "file.py:Class",
-                                    # or {"name": ..., **kwargs}; "" = single-turn
+    env: str | dict = ""            # multi-turn (envs.py, episodes.py): calculator | retry | guess
+                                    # | "file.py:Class", or {"name": ..., **kwargs}; "" =
+                                    # single-turn
     max_turns: int = 4              # multi-turn: sampled replies per episode at most
-    max_episode_tokens: int = 256   # multi-turn: ids after the opening prompt (replies and env turns); a turn is
-                                    # played only if its whole max_tokens still fits
+    max_episode_tokens: int = 256   # multi-turn: ids after the opening prompt (replies and env
+                                    # turns); a turn is played only if its whole max_tokens still
+                                    # fits
     max_env_chars: int = 1000       # multi-turn: each env message is cut to this many characters
-    env_timeout_s: float = 2.0      # multi-turn: an env.step past this ends its episode as an error (scored 0)
+    env_timeout_s: float = 2.0      # multi-turn: an env.step past this ends its episode as an error
+                                    # (scored 0)
 
 
 @dataclass
 class Loss:
-    name: str = "grpo"              # a key of losses.LOSSES (grpo, dr_grpo, dapo, cispo, gspo, ...) or "file.py:Class"
+    name: str = "grpo"              # a key of losses.LOSSES (grpo, dr_grpo, dapo, cispo, gspo, ...)
+                                    # or "file.py:Class"
     kwargs: dict = field(default_factory=dict)  # passed to the loss class, e.g. {"beta": 0.0}
-    adv: str = "grpo"               # advantage estimator: a key of losses.ADVANTAGES (grpo | dr_grpo | rloo |
-                                    # reinforce_pp) or "file.py:fn", fn(rewards, batch) -> (B, G) or (B*G, T)
+    adv: str = "grpo"               # advantage estimator: a key of losses.ADVANTAGES (grpo |
+                                    # dr_grpo | rloo | reinforce_pp) or "file.py:fn", fn(rewards,
+                                    # batch) -> (B, G) or (B*G, T)
     adv_eps: float = 1e-6           # std guard of the z-score estimators (those that take `eps`)
     tis_cap: float = 0.0            # >0: truncated IS weight min(pi_train/pi_gen, cap) per token
     entropy_coef: float = 0.0       # entropy bonus (subtracted from the loss)
@@ -158,9 +181,11 @@ class Dist:
     sync_interval: int = 1          # sync weights to generators every N steps
     sync_bucket_mb: int = 64        # broadcast bucket size
     timeout_s: float = 600.0        # every collective; a dead rank surfaces within this
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, one more forward
-    compile: bool = False           # torch.compile each block's training and scoring forwards (decode stays eager):
-                                    # on a GPU ~2x faster updates after ~40 s of compiling (docs/gpu.md); not with tp
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, one
+                                    # more forward
+    compile: bool = False           # torch.compile each block's training and scoring forwards
+                                    # (decode stays eager): on a GPU ~2x faster updates after ~40 s
+                                    # of compiling (docs/gpu.md); not with tp
 
 
 @dataclass
@@ -172,15 +197,20 @@ class Eval:
 
 @dataclass
 class Log:
-    run: str = "grpo"               # outputs go to <out_dir>/<run>/: metrics.jsonl, prompts.jsonl (each step's
-                                    # prompt ids: what a resume must replay), config.json, curves.png, ckpt/, hf/
+    run: str = "grpo"               # outputs go to <out_dir>/<run>/: metrics.jsonl, prompts.jsonl
+                                    # (each step's prompt ids: what a resume must replay),
+                                    # config.json, curves.png, ckpt/, hf/
     out_dir: str = "out"            # outputs under <out_dir>/<run>/
-    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall s; a plot costs ~1 s; -1 never)
-    wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works offline
+    plot_every_s: float = 60.0      # refresh the PNG plots at most this often (wall s; a plot costs
+                                    # ~1 s; -1 never)
+    wandb: bool = False             # W&B (optional extra: make extras); WANDB_MODE=offline works
+                                    # offline
     wandb_project: str = "nanoforge"  # W&B project
-    tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra: make extras)
-    drift: bool = False             # how far each update moved the policy (drift/*): one more no-grad forward a step,
-                                    # and a frozen copy of the start weights when there is no reference model
+    tensorboard: bool = False       # TensorBoard event files in <out_dir>/<run>/tb (optional extra:
+                                    # make extras)
+    drift: bool = False             # how far each update moved the policy (drift/*): one more
+                                    # no-grad forward a step, and a frozen copy of the start weights
+                                    # when there is no reference model
 
 
 @dataclass
@@ -199,8 +229,9 @@ def parse_config(argv):
 # 2. Data, advantages, the update (prompts, generation, rewards and eval: rollout.py)
 # ---------------------------------------------------------------------------------------------
 def advantages(r, batch, lengths, cfg):
-    """(B, G) rewards -> advantages (B*G, 1), one per sequence, or (B*G, T), one per token: whichever the
-    estimator `loss.adv` returns (losses.py: ADVANTAGES). DAPO's overlong shaping is added to the reward first."""
+    """(B, G) rewards -> advantages (B*G, 1), one per sequence, or (B*G, T), one per token:
+    whichever the estimator `loss.adv` returns (losses.py: ADVANTAGES). DAPO's overlong shaping is
+    added to the reward first."""
     if cfg.rollout.overlong_cache:
         r = r + losses.overlong_penalty(lengths, cfg.rollout.max_tokens, cfg.rollout.overlong_cache)
     estimator = config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
@@ -208,34 +239,41 @@ def advantages(r, batch, lengths, cfg):
     adv = torch.as_tensor(estimator(r, batch, **kw), dtype=torch.float32).detach().cpu()
     n, T = batch["mask"].shape
     if adv.numel() not in (n, n * T):
-        raise ValueError(f"loss.adv={cfg.loss.adv!r} returned advantages of shape {tuple(adv.shape)}: expected "
-                         f"{tuple(r.shape)} (one per sequence) or ({n}, {T}) (one per token, batch['mask']'s)")
+        raise ValueError(f"loss.adv={cfg.loss.adv!r} returned advantages of shape "
+                         f"{tuple(adv.shape)}: expected {tuple(r.shape)} (one per sequence) or "
+                         f"({n}, {T}) (one per token, batch['mask']'s)")
     return adv.reshape(n, -1)
 
 
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
-    """ppo_epochs x minibatches optimizer steps on this rank's batch: micro-batches -> loss -> backward -> clip ->
-    step. Returns the update's mean metrics, the number of skipped (non-finite) steps, and each row's logp from
-    epoch 0 (the policy before any step when there is one minibatch)."""
+    """ppo_epochs x minibatches optimizer steps on this rank's batch: micro-batches -> loss ->
+    backward -> clip -> step. Returns the update's mean metrics, the number of skipped (non-finite)
+    steps, and each row's logp from epoch 0 (the policy before any step when there is one
+    minibatch)."""
     n, tr = len(batch["ids"]), cfg.train
     mb_size, sums, tokens, num_opt, skipped = math.ceil(n / tr.minibatches), {}, {}, 0, 0
     first_logp = torch.zeros_like(batch["gen_logp"])
-    # minibatch order from (seed, step), like everything else random: a resumed run draws the same permutations
+    # minibatch order from (seed, step), like everything else random: a resumed run draws the same
+    # permutations
     rng = torch.Generator().manual_seed(seeds.seed(tr.seed, "minibatch", step))
     for epoch in range(tr.ppo_epochs):
         perm = torch.randperm(n, generator=rng) if tr.minibatches > 1 else torch.arange(n)
         for mb_rows in perm.split(mb_size):
             for rows in mb_rows.split(tr.micro_batch):
-                at = lambda x: None if x is None else x[rows].to(device)  # noqa: E731 -- these rows, on device
-                logp, ent = packing.response_logp(model, batch, rows, cfg.rollout.temperature, entropy=True,
+                # these rows, on device
+                at = lambda x: None if x is None else x[rows].to(device)  # noqa: E731
+                logp, ent = packing.response_logp(model, batch, rows, cfg.rollout.temperature,
+                                                  entropy=True,
                                                   stats=tokens)  # tokens: computed, real, FLOPs
                 mask = at(batch["mask"])
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
                 mb_adv = at(adv).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
-                mb_adv, tis_m = truncated_is(mb_adv, logp, at(old_logp), at(batch["gen_logp"]), mask, cfg.loss.tis_cap)
+                mb_adv, tis_m = truncated_is(mb_adv, logp, at(old_logp), at(batch["gen_logp"]),
+                                             mask, cfg.loss.tis_cap)
                 loss, m = loss_fn(logp, at(ref_logp), mb_adv, mask, old_logprobs=at(old_logp))
-                loss = dist.fault_nan(loss, step)  # test hook: this step's loss is NaN (tests/test_faults.py)
+                # test hook: this step's loss is NaN (tests/test_faults.py)
+                loss = dist.fault_nan(loss, step)
                 m["loss/entropy"] = losses.masked_mean(ent.detach(), mask)
                 m.update(tis_m)
                 if cfg.loss.entropy_coef:
@@ -243,41 +281,49 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 (loss * len(rows) / len(mb_rows)).backward()
                 m["loss/total"] = loss.detach()
                 accumulate(sums, m, len(rows) / n)
-            gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)  # global norm over FSDP/TP shards
-            dist.fault("kill_opt", step)  # test hook: SIGKILL with gradients computed, before the step
+            # global norm over FSDP/TP shards
+            gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)
+            # test hook: SIGKILL with gradients computed, before the step
+            dist.fault("kill_opt", step)
             skipped += run.step_if_finite(opt, gnorm)
             accumulate(sums, {"train/grad_norm": gnorm}, 1.0)
             num_opt += 1
     sched.step()
     sums = {k: float(v) / tr.ppo_epochs for k, v in sums.items()}
     sums["train/grad_norm"] *= tr.ppo_epochs / num_opt
-    sums["perf/update_gflop"] = 3 * tokens["flops"] / 1e9  # forwards + backwards (packing.forward_flops)
-    sums["perf/pad_frac"] = tokens["tokens"] / max(tokens["real_tokens"], 1)  # computed / real (packing.py)
+    # forwards + backwards (packing.forward_flops)
+    sums["perf/update_gflop"] = 3 * tokens["flops"] / 1e9
+    # computed / real (packing.py)
+    sums["perf/pad_frac"] = tokens["tokens"] / max(tokens["real_tokens"], 1)
     return sums, skipped, first_logp
 
 
 def truncated_is(adv, logp, old_logp, gen_logp, mask, cap):
-    """loss.tis_cap > 0: advantages weighted by min(pi_old / pi_gen, cap) per token, detached (losses.tis_weights:
-    the trainer-vs-generator mismatch), and how often the cap engages. pi_old is sg(logp) when on-policy."""
+    """loss.tis_cap > 0: advantages weighted by min(pi_old / pi_gen, cap) per token, detached
+    (losses.tis_weights: the trainer-vs-generator mismatch), and how often the cap engages. pi_old
+    is sg(logp) when on-policy."""
     if cap <= 0:
         return adv, {}
     w = losses.tis_weights(logp.detach() if old_logp is None else old_logp, gen_logp, mask, cap)
-    return adv * w, {"loss/tis_capped_frac": losses.masked_mean((w >= cap * (1 - 1e-6)).float(), mask),
-                     "loss/tis_weight_mean": losses.masked_mean(w, mask)}
+    return adv * w, {
+        "loss/tis_capped_frac": losses.masked_mean((w >= cap * (1 - 1e-6)).float(), mask),
+        "loss/tis_weight_mean": losses.masked_mean(w, mask)}
 
 
 def accumulate(sums, m, w):
-    """sums[k] += w * m[k], kept as tensors: no host sync per micro-batch (one float() per metric a step)."""
+    """sums[k] += w * m[k], kept as tensors: no host sync per micro-batch (one float() per metric a
+    step)."""
     for k, v in m.items():
         sums[k] = sums.get(k, 0.0) + v.detach() * w
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What happens at step s besides its update. One function decides it (`schedule`) for both loops, main() and
-    generator_loop(), which must issue the same collectives in the same order."""
+    """What happens at step s besides its update. One function decides it (`schedule`) for both
+    loops, main() and generator_loop(), which must issue the same collectives in the same order."""
     ahead: bool  # generate batch s+1 before the update on batch s (rollout.max_staleness >= 1)
-    sync: bool   # weights to the generators after the update: every dist.sync_interval steps, and before an eval
+    sync: bool   # weights to the generators after the update: every dist.sync_interval steps, and
+                 # before an eval
     eval: bool   # held-out eval after the update: every eval.every steps, and after the last
     ckpt: bool   # a checkpoint after the step, every ckpt.every steps (trainer ranks only)
 
@@ -285,22 +331,25 @@ class Plan:
 def schedule(s, cfg) -> Plan:
     ev = run.eval_due(s, cfg)
     return Plan(ahead=bool(cfg.rollout.max_staleness) and s + 1 < cfg.train.steps,
-                sync=(s + 1) % cfg.dist.sync_interval == 0 or ev, eval=ev, ckpt=run.checkpoint_due(s + 1, cfg))
+                sync=(s + 1) % cfg.dist.sync_interval == 0 or ev, eval=ev,
+                ckpt=run.checkpoint_due(s + 1, cfg))
 
 
 def receiver(gen, version):
-    """Where a weight sync's tensors go on this rank: into its engine, as weight version `version` (optimizer
-    steps taken); None where there is no engine."""
+    """Where a weight sync's tensors go on this rank: into its engine, as weight version `version`
+    (optimizer steps taken); None where there is no engine."""
     return None if gen is None else lambda named: gen.update_weights(named, version)
 
 
-SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl", "rollout/response_len",
-         "mismatch/abs_diff", "perf/step_s", "eval/pass@1")  # the per-step line
-STATS = ("loss/total", "train/grad_norm", "rollout/reward_mean", "rollout/response_len")  # said on a skipped step
+# the per-step line
+SHOWN = ("step", "rollout/reward_mean", "rollout/accuracy", "loss/total", "loss/kl",
+         "rollout/response_len", "mismatch/abs_diff", "perf/step_s", "eval/pass@1")
+# said on a skipped step
+STATS = ("loss/total", "train/grad_norm", "rollout/reward_mean", "rollout/response_len")
 
 
 def main(argv=None):
-    # ---- 1. config: parsed and validated before anything heavy happens ----------------------------
+    # ---- 1. config: parsed and validated before anything heavy happens ---------------------------
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_config(argv)
     checks.grpo(cfg, int(os.environ.get("WORLD_SIZE", 1)))
@@ -308,8 +357,10 @@ def main(argv=None):
         return
     path = run.resolve_model(cfg.model.path)
     backend = engine.resolve_backend(cfg, path)  # which GPU an engine takes
-    roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")  # pins GPUs: before CUDA
-    machine.resolve_dtype(cfg, say=roles.rank == 0)  # "auto": measured here, before the engine or the model is built
+    # pins GPUs: before CUDA
+    roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")
+    # "auto": measured here, before the engine or the model is built
+    machine.resolve_dtype(cfg, say=roles.rank == 0)
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
@@ -317,10 +368,13 @@ def main(argv=None):
 
     # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
     tok = data.Tokenizer(path)
-    train, held_out, num_dropped = rollout.load_tasks(cfg, tok)  # before the engine: the longest prompt sizes its KV
+    # before the engine: the longest prompt sizes its KV
+    train, held_out, num_dropped = rollout.load_tasks(cfg, tok)
     gen = None
-    if roles.is_generator or roles.colocated:  # multi-turn (rollout.env): an engine that plays episodes
-        gen = engine.build_generator(cfg, path, roles, tok, max(len(p["prompt_ids"]) for p in train + held_out))
+    # multi-turn (rollout.env): an engine that plays episodes
+    if roles.is_generator or roles.colocated:
+        gen = engine.build_generator(cfg, path, roles, tok,
+                                     max(len(p["prompt_ids"]) for p in train + held_out))
     dist.init_distributed(roles, cfg.dist.timeout_s)
     dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
@@ -329,23 +383,30 @@ def main(argv=None):
     pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
         if cfg.rollout.reward_workers and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
-    if roles.is_generator:  # a dedicated generator rank: generator_loop, below main, is its whole life
+    # a dedicated generator rank: generator_loop, below main, is its whole life
+    if roles.is_generator:
         generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
     model = run.load_model(path, roles.device, mesh, cfg)
-    loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(**checks.loss_kwargs(cfg))
-    kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0  # log.drift measures against the start weights too
-    ref = run.load_model(path, roles.device, mesh, cfg, frozen=True) if kl_in_loss or cfg.log.drift else None
+    loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(
+        **checks.loss_kwargs(cfg))
+    # log.drift measures against the start weights too
+    kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0
+    ref = (run.load_model(path, roles.device, mesh, cfg, frozen=True)
+           if kl_in_loss or cfg.log.drift else None)
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
-    # a resume restores model, optimizer, schedule, counters; data order and sampling seeds derive from the step
+    # a resume restores model, optimizer, schedule, counters; data order and sampling seeds derive
+    # from the step
     skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
     if ckpt_path:  # the generators take the restored weights before they generate anything
-        weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb, receiver(gen, start))
+        weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
+                                      receiver(gen, start))
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
-    log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN, logs=("metrics.jsonl", "prompts.jsonl"))
+    log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN,
+                         logs=("metrics.jsonl", "prompts.jsonl"))
     num_failed_saves, pending = 0, None
 
     def scorer(groups, problems):  # DAPO's refill asks which groups carry signal (rollout.refill)
@@ -354,68 +415,86 @@ def main(argv=None):
         ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         log.step({"step": 0, **ev}, progress=False)
 
-    # ---- 4. the loop: generator_loop (below) issues the same collectives, in the same order --------
+    # ---- 4. the loop: generator_loop (below) issues the same collectives, in the same order ------
     for s in range(start, cfg.train.steps):
         t_step, perf, plan = time.perf_counter(), {}, schedule(s, cfg)
-        # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share (or did, one
-        # step ahead), dedicated ones wait for the generators; dynamic sampling refills the batch (rollout.py)
+        # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share
+        # (or did, one step ahead), dedicated ones wait for the generators; dynamic sampling refills
+        # the batch (rollout.py)
         problems, groups, perf["perf/gen_s"], fill = rollout.step_rollout(
             gen, train, s, cfg, producer, num_producers, pending, scorer)
-        pending = rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers) \
-            if plan.ahead else None  # colocated and stale: batch s+1 sampled now, by the weights before this update
-        prompt_ids = [p["id"] for p in problems]  # logged to prompts.jsonl: which data each step saw
+        # colocated and stale: batch s+1 sampled now, by the weights before this update
+        pending = (rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers)
+                   if plan.ahead else None)
+        # logged to prompts.jsonl: which data each step saw
+        prompt_ids = [p["id"] for p in problems]
         perf.update(fill)
         lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
         problems, groups = problems[lo:hi], groups[lo:hi]
         # 4c. rewards (B/dp, G): the weighted total, and the accuracy reward's part
         with metrics.timed(perf, "perf/reward_s"):
             r, correct, rstats = rewards.score(groups, problems, reward_fns, weights, cfg, pool)
-            lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float32)
-        # 4d. advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask of groups without signal
-        batch = packing.make_batch(problems, groups, tok.pad_token_id)  # ids (B/dp*G, P+R), mask (B/dp*G, R)
-        batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})  # the model's inputs
+            lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups],
+                                   dtype=torch.float32)
+        # 4d. advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask of groups without
+        # signal
+        # ids (B/dp*G, P+R), mask (B/dp*G, R)
+        batch = packing.make_batch(problems, groups, tok.pad_token_id)
+        # the model's inputs
+        batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})
         adv = advantages(r, batch, lengths, cfg)
         if cfg.rollout.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         # 4e. reference and old logprobs (no grad), only when the loss needs them
         with metrics.timed(perf, "perf/ref_s"):
-            ref_logp = packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp) if ref is not None else None
-        with metrics.timed(perf, "perf/old_s"):  # pi_old: the sampler's logprobs when stale; on-policy with one
-            # optimizer step, sg(logp) inside the loss; with several, the policy before them, scored once. With
-            # minibatches > 1 it is scored even when stale: mismatch and drift measure against it (4h)
+            ref_logp = (packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp)
+                        if ref is not None else None)
+        # pi_old: the sampler's logprobs when stale; on-policy with one optimizer step, sg(logp)
+        # inside the loss; with several, the policy before them, scored once. With minibatches > 1
+        # it is scored even when stale: mismatch and drift measure against it (4h)
+        with metrics.timed(perf, "perf/old_s"):
             stale, tr = cfg.rollout.max_staleness > 0, cfg.train
             pre_logp = packing.no_grad_logp(model, batch, tr.micro_batch, temp) \
                 if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None
             old_logp = batch["gen_logp"] if stale else pre_logp
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with metrics.timed(perf, "perf/train_s"):
-            if roles.colocated and gen is not None:  # GPU: the engine's memory freed for the update (CPU: none)
+            # GPU: the engine's memory freed for the update (CPU: none)
+            if roles.colocated and gen is not None:
                 gen.sleep(keep_weights=not plan.sync)  # new weights follow: no need to keep the old
             m, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
-                                            ref_logp if kl_in_loss else None, old_logp, cfg, roles.device, s)
-        train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # the policy before this update
+                                            ref_logp if kl_in_loss else None, old_logp, cfg,
+                                            roles.device, s)
+        # the policy before this update
+        train_logp = first_logp if pre_logp is None else pre_logp.cpu()
         perf["perf/update_gflops"] = m["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         m.update(metrics.drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
         m.update(metrics.mismatch(train_logp, batch["gen_logp"], batch["mask"]))
         skipped_total += skipped
-        skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging this step, see 4h
-        # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's engine)
+        # the run aborts after logging this step, see 4h
+        skipped_run = skipped_run + 1 if skipped else 0
+        # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's
+        # engine)
         sync = {}
         with metrics.timed(perf, "perf/sync_s"):
             if plan.sync:
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
                                                      receiver(gen, s + 1))
             if roles.colocated and gen is not None:
-                gen.wake_up()  # whatever still sleeps; after a sync nothing does (generator.py: the wake order)
+                # whatever still sleeps; after a sync nothing does (generator.py: the wake order)
+                gen.wake_up()
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
-        row = metrics.step_metrics({**m, **rstats, **sync, **perf}, r, correct, lengths, groups, batch, s, sched,
-                                   skipped_total, num_dropped, cfg, mesh["dp_shard"].get_group(), dp)
+        row = metrics.step_metrics({**m, **rstats, **sync, **perf}, r, correct, lengths, groups,
+                                   batch, s, sched, skipped_total, num_dropped, cfg,
+                                   mesh["dp_shard"].get_group(), dp)
         if plan.eval:
             with metrics.timed(row, "perf/eval_s"):
-                row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1))
+                row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg,
+                                            reward_fns, s + 1))
         abort = skipped_run >= cfg.train.max_skipped_steps
         if plan.ckpt and not abort:  # not on a step that aborts the run
-            num_failed_saves += run.save_checkpoint(out, s + 1, model, opt, sched, (skipped_total, skipped_run))
+            num_failed_saves += run.save_checkpoint(out, s + 1, model, opt, sched,
+                                                    (skipped_total, skipped_run))
         row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
         row["perf/tokens_per_s"] = float(lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
@@ -431,25 +510,31 @@ def main(argv=None):
 
 
 def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
-    """A dedicated generator rank: main()'s collectives, in main()'s order, with generation between. A collective
-    added to one loop and not the other hangs the run until dist.timeout_s."""
+    """A dedicated generator rank: main()'s collectives, in main()'s order, with generation between.
+    A collective added to one loop and not the other hangs the run until dist.timeout_s."""
     producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
     if start > 0:  # resumed: take the restored weights before generating anything (main: restore)
-        weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receiver(gen, start))
+        weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
+                                      receiver(gen, start))
     if start == 0:  # main: the step-0 eval
-        rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0, is_trainer=False)
+        rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0,
+                         is_trainer=False)
     pending = None
     for s in range(start, cfg.train.steps):
         plan = schedule(s, cfg)
         rollout.step_rollout(gen, train, s, cfg, producer, num_producers, pending)  # main: 4a-b
-        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s's refill rounds
-        pending = rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers) if plan.ahead else None
+        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s's
+        # refill rounds
+        pending = (rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers)
+                   if plan.ahead else None)
         if plan.sync:  # main: 4g
-            weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb, receiver(gen, s + 1))
+            weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
+                                          receiver(gen, s + 1))
         if plan.eval:  # main: 4h
-            rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1, is_trainer=False)
-    print(f"generator rank {roles.rank}: done, weight version {gen.version} after {cfg.train.steps} steps",
-          flush=True)
+            rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1,
+                             is_trainer=False)
+    print(f"generator rank {roles.rank}: done, weight version {gen.version} after "
+          f"{cfg.train.steps} steps", flush=True)
 
 
 if __name__ == "__main__":
