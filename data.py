@@ -38,6 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 import config
+import packing
 import seeds
 import tasks
 
@@ -197,20 +198,10 @@ def sft_example(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[i
 
 
 def first_fit(docs, pack_len):
-    """Rows as lists of documents: each document goes to the first row it fits in (pack_len 0: its
-    own row)."""
-    rows, lens = [], []
-    for doc in docs:
-        n = len(doc[0]) - 1
-        i = (next((i for i, used in enumerate(lens) if used + n <= pack_len), None)
-             if pack_len else None)
-        if i is None:
-            rows.append([])
-            lens.append(0)
-            i = len(rows) - 1
-        rows[i].append(doc)
-        lens[i] += n
-    return rows
+    """Rows as lists of documents, first fit in data order (packing.first_fit; pack_len 0: a document
+    a row)."""
+    bins = packing.first_fit([len(doc[0]) - 1 for doc in docs], pack_len)
+    return [[docs[i] for i in b] for b in bins]
 
 
 def pack(docs, pack_len, pad_id, num_rows=0):

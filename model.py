@@ -174,6 +174,14 @@ def mask_positions(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def block_causal(doc):
+    """doc (B, T): which document each token belongs to -> (B, T, T) bool: a token sees the earlier tokens
+    of its own document. The block-diagonal causal mask of packed rows (SFT's, and packing.packed_mask's)."""
+    T = doc.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return causal & (doc[:, :, None] == doc[:, None, :])
+
+
 def padding_mask(attention_mask, q_start, T):
     """(B, S) 1 = real key -> (B, 1, T, S) bool for queries at positions q_start..q_start+T-1:
     causal and real. The diagonal stays on, so a pad query attends to itself instead of nothing
@@ -431,9 +439,7 @@ class Transformer(nn.Module):
         # packed documents (no padding, positions restart at 0): attend within the same
         # document only
         if packed:
-            doc = (position_ids == 0).cumsum(-1)
-            causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            return position_ids, (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+            return position_ids, block_causal((position_ids == 0).cumsum(-1))[:, None]
         return position_ids, None  # None -> plain causal (SDPA's fast path)
 
     @staticmethod

@@ -23,7 +23,7 @@ holds few distinct prompts).
 """
 import torch
 
-from model import ModelConfig, mask_positions
+from model import ModelConfig, block_causal, mask_positions
 
 
 def forward_flops(cfg: ModelConfig, tokens: int, attn_pairs: int, logit_tokens: int) -> int:
@@ -63,15 +63,17 @@ def make_batch(problems, groups, pad_id):
                 prompt=prompt)
 
 
-def pack(lengths, capacity):
-    """First-fit decreasing: -> bins, each a list of indices into `lengths` summing to <= capacity.
-    Ties keep their order (sorted is stable), so a batch packs the same way on every rank and every
-    resume."""
+def first_fit(lengths, capacity, decreasing=False):
+    """The one packer (SFT's rows and the update's bins): -> bins, each a list of indices into `lengths`
+    summing to <= capacity; every item goes to the first bin with room, in index order or, `decreasing`,
+    longest first (first-fit decreasing; ties keep their order, sorted is stable), so a batch packs the same
+    way on every rank and every resume. capacity 0: one item a bin. Items of length 0 get no bin."""
     bins, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if decreasing else range(len(lengths))
+    for i in order:
         if lengths[i] == 0:
             continue
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), len(bins))
+        j = next((j for j, r in enumerate(room) if r >= lengths[i]), len(bins)) if capacity else len(bins)
         if j == len(bins):
             bins.append([])
             room.append(capacity)
@@ -89,9 +91,7 @@ def packed_mask(doc, rows, prompt_mask):
     own = torch.where(doc >= 0, rows[doc.clamp(min=0)], -1)  # each token's prompt; -1 = padding
     prompt_of_key = torch.arange(U, device=dev).repeat_interleave(Pp)
     see_prompt = (own[:, :, None] == prompt_of_key) & prompt_mask.reshape(1, 1, -1).bool()
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-    see_self = (causal & (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
-                | torch.eye(T, dtype=torch.bool, device=dev))
+    see_self = block_causal(doc) & (doc[:, :, None] >= 0) | torch.eye(T, dtype=torch.bool, device=dev)
     return torch.cat([see_prompt, see_self], -1)[:, None]
 
 
@@ -114,7 +114,7 @@ def response_logp(model, batch, rows, temperature, entropy=False, packed=None, s
     p_ids, p_mask = ids[first, P - 1 - Pp:P - 1], attn[first, P - 1 - Pp:P - 1]
     x, y = ids[:, P - 1:P - 1 + T], ids[:, P:P + T]  # inputs and targets of the padded rows
     lengths = L.tolist()
-    bins = pack(lengths, T)
+    bins = first_fit(lengths, T, decreasing=True)
     U, B = len(uniq), len(bins)
     padded_cost = forward_flops(model.cfg, U * Pp + b * T, U * Pp * Pp + b * T * (Pp + T), b * T)
     packed_cost = forward_flops(model.cfg, U * Pp + B * T, U * Pp * Pp + B * T * (U * Pp + T),

@@ -423,7 +423,7 @@ def test_grpo_response_logp_equals_each_sequence_alone():
 def test_pack_first_fit_decreasing():
     import packing
     lengths = [5, 0, 3, 8, 2, 2, 7, 1]
-    bins = packing.pack(lengths, 8)
+    bins = packing.first_fit(lengths, 8, decreasing=True)
     assert sorted(i for b in bins for i in b) == [0, 2, 3, 4, 5, 6, 7]  # each non-empty sequence exactly once
     assert all(sum(lengths[i] for i in b) <= 8 for b in bins) and len(bins) == 4  # 28 tokens: 4 rows of 8
     assert bins == [[3], [6, 7], [0, 2], [4, 5]]  # longest first, each into the first row with room
