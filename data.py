@@ -198,10 +198,10 @@ def sft_example(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[i
 
 
 def first_fit(docs, pack_len):
-    """Rows as lists of documents, first fit in data order (packing.first_fit; pack_len 0: a document
-    a row)."""
-    bins = packing.first_fit([len(doc[0]) - 1 for doc in docs], pack_len)
-    return [[docs[i] for i in b] for b in bins]
+    """Rows as lists of documents, first fit in data order (packing.first_fit; pack_len 0: a
+    document a row)."""
+    return [[docs[i] for i in b]
+            for b in packing.first_fit([len(doc[0]) - 1 for doc in docs], pack_len)]
 
 
 def pack(docs, pack_len, pad_id, num_rows=0):

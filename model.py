@@ -175,8 +175,9 @@ def mask_positions(attention_mask):
 
 
 def block_causal(doc):
-    """doc (B, T): which document each token belongs to -> (B, T, T) bool: a token sees the earlier tokens
-    of its own document. The block-diagonal causal mask of packed rows (SFT's, and packing.packed_mask's)."""
+    """doc (B, T): which document each token belongs to -> (B, T, T) bool: a token sees the earlier
+    tokens of its own document. The block-diagonal causal mask of packed rows (SFT's, and
+    packing.packed_mask's)."""
     T = doc.shape[-1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
     return causal & (doc[:, :, None] == doc[:, None, :])

@@ -64,16 +64,18 @@ def make_batch(problems, groups, pad_id):
 
 
 def first_fit(lengths, capacity, decreasing=False):
-    """The one packer (SFT's rows and the update's bins): -> bins, each a list of indices into `lengths`
-    summing to <= capacity; every item goes to the first bin with room, in index order or, `decreasing`,
-    longest first (first-fit decreasing; ties keep their order, sorted is stable), so a batch packs the same
-    way on every rank and every resume. capacity 0: one item a bin. Items of length 0 get no bin."""
-    bins, room = [], []
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i]) if decreasing else range(len(lengths))
+    """The one packer (SFT's rows and the update's bins): -> bins, each a list of indices into
+    `lengths` summing to <= capacity; every item goes to the first bin with room, in index order
+    or, `decreasing`, longest first (first-fit decreasing; ties keep their order, sorted is
+    stable), so a batch packs the same way on every rank and every resume. capacity 0: one item a
+    bin. Items of length 0 get no bin."""
+    bins, room, n = [], [], len(lengths)
+    order = sorted(range(n), key=lambda i: -lengths[i]) if decreasing else range(n)
     for i in order:
         if lengths[i] == 0:
             continue
-        j = next((j for j, r in enumerate(room) if r >= lengths[i]), len(bins)) if capacity else len(bins)
+        fits = (j for j, r in enumerate(room) if r >= lengths[i])
+        j = next(fits, len(bins)) if capacity else len(bins)
         if j == len(bins):
             bins.append([])
             room.append(capacity)
@@ -91,7 +93,8 @@ def packed_mask(doc, rows, prompt_mask):
     own = torch.where(doc >= 0, rows[doc.clamp(min=0)], -1)  # each token's prompt; -1 = padding
     prompt_of_key = torch.arange(U, device=dev).repeat_interleave(Pp)
     see_prompt = (own[:, :, None] == prompt_of_key) & prompt_mask.reshape(1, 1, -1).bool()
-    see_self = block_causal(doc) & (doc[:, :, None] >= 0) | torch.eye(T, dtype=torch.bool, device=dev)
+    see_self = (block_causal(doc) & (doc[:, :, None] >= 0)
+                | torch.eye(T, dtype=torch.bool, device=dev))
     return torch.cat([see_prompt, see_self], -1)[:, None]
 
 
