@@ -95,7 +95,7 @@ def valid_messages(messages, roles=("system", "user", "tool")):
 
 def opening_ids(tok, env):
     """The episode's prompt: the env's opening conversation with the assistant header
-    (data.load_tasks' prompt_ids)."""
+    (rollout.load_tasks' prompt_ids)."""
     # may hold worked examples as assistant turns: the prompt, never trained on
     messages = env.reset()
     if not valid_messages(messages, ("system", "user", "tool", "assistant")) or not messages:

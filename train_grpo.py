@@ -4,7 +4,7 @@ One step (B prompts, G samples each; every shape below is per trainer rank unles
 
     prompts --generate--> B*G completions (+ the generator's logprobs, weight version)
             --reward----> R (B, G)       rewards.py, through reward_guard.py: never raises or hangs
-            --advantage-> A (B, G)       losses.py: group z-score / Dr.GRPO / RLOO / REINFORCE++
+            --advantage-> A (B*G, 1) or (B*G, T)   losses.ADVANTAGES, or a user's file.py:fn
             --ref/old---> ref_logp, old_logp (B*G, T)   no-grad forwards, only when needed
             --update----> ppo_epochs x minibatches x micro-batches, AdamW, grad clip
             --sync------> trainer rank 0 broadcasts the new weights to the generator ranks
@@ -12,8 +12,9 @@ One step (B prompts, G samples each; every shape below is per trainer rank unles
 Rank roles (dist.py): with `torchrun --nproc_per_node=N`, the last `dist.generator_ranks` ranks
 each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. With
 `generator_ranks = 0` every trainer rank also hosts a generator (1 GPU, or plain `python` on CPU).
-This file is the trainers' side. Prompts, generation, collection, rewards and eval are rollout.py's
-(it explains how generator ranks, which spend the run in `rollout.generator_loop`, stay in step).
+This file holds both loops: main() on the trainer ranks and generator_loop() on dedicated generator
+ranks, which read one schedule(s) and issue the same collectives in the same order. A step's batch
+(prompts, generation, collection, refill, eval) is rollout.py's.
 With `rollout.max_staleness >= 1` the generators run one batch ahead; their logprobs then serve as
 old_logp, so the PPO ratio is taken against the policy that actually sampled.
 
