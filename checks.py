@@ -66,17 +66,17 @@ def optim_rules(c):
 def single_turn_options(cfg):
     """Any base config takes any env, as it takes any loss: what a single-turn recipe set that
     episodes read differently is adjusted with a one-line note instead of refused."""
-    r, say = cfg.rollout, lambda msg: print("note: " + msg, file=sys.stderr)
-    if r.env and r.overlong_cache:  # it reads one reply's length; an episode holds several
-        say(f"rollout.overlong_cache={r.overlong_cache} dropped (set to 0): DAPO's overlong "
+    ro, say = cfg.rollout, lambda msg: print("note: " + msg, file=sys.stderr)
+    if ro.env and ro.overlong_cache:  # it reads one reply's length; an episode holds several
+        say(f"rollout.overlong_cache={ro.overlong_cache} dropped (set to 0): DAPO's overlong "
             "shaping is single-turn (with rollout.env, rollout.max_tokens still caps each reply)")
-        r.overlong_cache = 0
+        ro.overlong_cache = 0
     # not even one reply would fit
-    if r.env and 0 < r.max_tokens and r.max_episode_tokens < r.max_tokens:
-        say(f"rollout.max_episode_tokens={r.max_episode_tokens} raised to "
-            f"rollout.max_turns x rollout.max_tokens = {r.max_turns * r.max_tokens}: an episode "
+    if ro.env and 0 < ro.max_tokens and ro.max_episode_tokens < ro.max_tokens:
+        say(f"rollout.max_episode_tokens={ro.max_episode_tokens} raised to "
+            f"rollout.max_turns x rollout.max_tokens = {ro.max_turns * ro.max_tokens}: an episode "
             "must fit one whole reply")
-        r.max_episode_tokens = r.max_turns * r.max_tokens
+        ro.max_episode_tokens = ro.max_turns * ro.max_tokens
 
 
 def grpo(cfg, world_size):

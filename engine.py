@@ -43,16 +43,16 @@ def kv_cache_bytes(cfg, model_path, longest_prompt, max_model_len, budget=None) 
     compute dtype's bytes a token, and never less than one row of max_model_len, which vLLM
     requires. A step needs no more; with less, vLLM runs the rows in waves (preempting), and eval's
     larger batches queue the same way: so `budget` (bytes) caps it, down to that one row."""
-    r = cfg.rollout
-    if r.kv_cache_mb:
-        return r.kv_cache_mb << 20
+    ro = cfg.rollout
+    if ro.kv_cache_mb:
+        return ro.kv_cache_mb << 20
     c = hf_config(model_path)
     # "auto" is resolved by now (machine.resolve_dtype)
     nbytes = 2 if cfg.model.dtype == "bfloat16" else 4
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * nbytes
     blocks = lambda n: -(-n // 128) * 128  # noqa: E731
-    row = min(max_model_len, longest_prompt + (r.max_episode_tokens if r.env else r.max_tokens))
-    need, one_row = (r.prompts_per_step * r.group_size * blocks(row) * per_token,
+    row = min(max_model_len, longest_prompt + (ro.max_episode_tokens if ro.env else ro.max_tokens))
+    need, one_row = (ro.prompts_per_step * ro.group_size * blocks(row) * per_token,
                      blocks(max_model_len) * per_token)
     return max(min(need, budget or need), one_row)
 
@@ -96,14 +96,15 @@ def build_generator(cfg, path, roles, tok, longest_prompt=None):
     """This rank's engine, ready for dist.init_distributed; with `rollout.env`, wrapped to play
     multi-turn episodes (episodes.MultiTurn). longest_prompt (tokens, of the loaded tasks) sizes
     vLLM's KV cache (kv_cache_bytes)."""
-    r = cfg.rollout
-    max_model_len = cfg.data.max_prompt_tokens + (r.max_episode_tokens if r.env else r.max_tokens)
+    ro = cfg.rollout
+    after_prompt = ro.max_episode_tokens if ro.env else ro.max_tokens  # after the prompt
+    max_model_len = cfg.data.max_prompt_tokens + after_prompt
     kw, backend = dict(max_model_len=max_model_len, seed=cfg.train.seed), resolve_backend(cfg, path)
     first = roles.rank == (roles.generator_ranks or [0])[0]  # one engine says what "auto" chose
-    if first and r.backend == "auto":
+    if first and ro.backend == "auto":
         where = "colocated" if roles.colocated else "a dedicated rank"
         print(f"rollout.backend=auto -> {backend} (engine.default_backend: {where}, "
-              f"{num_params(path) / 1e6:.1f}M parameters, {r.max_tokens} tokens, "
+              f"{num_params(path) / 1e6:.1f}M parameters, {ro.max_tokens} tokens, "
               f"{torch.backends.cpu.get_cpu_capability()})", flush=True)
     # KV memory set explicitly; every sequence of a step in one batch; sleeps when colocated
     if backend == "vllm":
@@ -112,14 +113,14 @@ def build_generator(cfg, path, roles, tok, longest_prompt=None):
         # give now
         budget = machine.available_bytes() // 4 if roles.device.type == "cpu" else None
         kv = kv_cache_bytes(cfg, path, longest, max_model_len, budget)
-        if first and not r.kv_cache_mb:
+        if first and not ro.kv_cache_mb:
             capped = kv < kv_cache_bytes(cfg, path, longest, max_model_len)
             print(f"rollout.kv_cache_mb=0 -> {kv / 2**20:.0f} MB: "
                   + ("a quarter of the memory available, less than "
                      "one step's rows: they run in waves" if capped
-                     else f"one step's {r.prompts_per_step * r.group_size}"
+                     else f"one step's {ro.prompts_per_step * ro.group_size}"
                           f" rows (longest prompt {longest} + "
-                          f"{r.max_episode_tokens if r.env else r.max_tokens} tokens)"),
+                          f"{ro.max_episode_tokens if ro.env else ro.max_tokens} tokens)"),
                   flush=True)
         kw.update(kv_cache_memory_bytes=kv, dtype=cfg.model.dtype,
                   max_num_seqs=max(cfg.rollout.prompts_per_step * cfg.rollout.group_size,
@@ -128,9 +129,9 @@ def build_generator(cfg, path, roles, tok, longest_prompt=None):
                   enforce_eager=cfg.rollout.enforce_eager, colocated=roles.colocated)
     else:  # on this rank's device (a GPU without vLLM), computing in the trainer's dtype
         kw.update(device=roles.device,
-                  dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None, onednn=r.onednn)
+                  dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else None, onednn=ro.onednn)
     gen = generator.make_generator(backend, path, **kw)
     # this process joins the torchrun world next (generator.py: why vLLM's group must go)
     if backend == "vllm":
         gen.release_default_group()
-    return episodes.MultiTurn(gen, tok, cfg) if r.env else gen
+    return episodes.MultiTurn(gen, tok, cfg) if ro.env else gen

@@ -199,7 +199,7 @@ class MultiTurn:
     def advance(self, e, c, turn, max_tokens):
         """One sampled reply into episode e: its ids verbatim, then the env's answer as a bridge, or
         the end."""
-        r = self.cfg.rollout
+        ro = self.cfg.rollout
         e.ids += c.token_ids
         e.logp += c.logprobs
         e.mask += [1] * len(c.token_ids)
@@ -208,7 +208,7 @@ class MultiTurn:
         if c.finish_reason == "length":
             e.end = "length"
             return
-        step, e.error = guarded_step(e.env, c.text, r.env_timeout_s)
+        step, e.error = guarded_step(e.env, c.text, ro.env_timeout_s)
         if step is None:
             e.end = "error"
             return
@@ -216,13 +216,13 @@ class MultiTurn:
         if step.done:
             e.end, e.reward = "done", step.reward
             return
-        if turn + 1 == r.max_turns:
+        if turn + 1 == ro.max_turns:
             e.end = "turns"
             return
-        reply = [{**m, "content": m["content"][:r.max_env_chars]} for m in step.messages]
+        reply = [{**m, "content": m["content"][:ro.max_env_chars]} for m in step.messages]
         ids = bridge(self.tok, reply)
         # the next reply's whole budget must fit
-        if len(e.ids) + len(ids) + max_tokens > r.max_episode_tokens:
+        if len(e.ids) + len(ids) + max_tokens > ro.max_episode_tokens:
             e.end = "context"
             return
         e.messages += reply
