@@ -85,20 +85,24 @@ def load_tasks(cfg, tok):
     return train, held_out, num_long
 
 
-def generate_share(gen, problems, producer, num_producers, n, temperature, cfg, seed):
-    """This producer's share (problems producer::num_producers), tagged with their global index."""
+def sampling(ro, n, temperature, seed):
+    """generate()'s arguments for n samples at `temperature` under the rollout section `ro` (greedy,
+    temperature 0, ignores top_p and top_k)."""
+    return dict(n=n, temperature=temperature, top_p=ro.top_p if temperature > 0 else 1.0,
+                top_k=ro.top_k if temperature > 0 else -1, max_tokens=ro.max_tokens, seed=seed)
+
+
+def generate_share(gen, problems, producer, num_producers, **sampled):
+    """This producer's share (problems producer::num_producers) of `sampled` (sampling()'s
+    arguments), tagged with their global index."""
     mine = list(range(producer, len(problems), num_producers))
     t0 = time.perf_counter()
-    sampling = dict(n=n, temperature=temperature,
-                    top_p=cfg.rollout.top_p if temperature > 0 else 1.0,
-                    top_k=cfg.rollout.top_k if temperature > 0 else -1,
-                    max_tokens=cfg.rollout.max_tokens, seed=seed)
     if isinstance(gen, episodes.MultiTurn):  # multi-turn: each completion is a whole episode
-        out = gen.episodes([problems[i] for i in mine], **sampling)
+        out = gen.episodes([problems[i] for i in mine], **sampled)
     else:
-        out = gen.generate([problems[i]["prompt_ids"] for i in mine], **sampling)
+        out = gen.generate([problems[i]["prompt_ids"] for i in mine], **sampled)
     # fewer completions than asked: an error, not a shape crash
-    generator.check_completions(out, len(mine), n)
+    generator.check_completions(out, len(mine), sampled["n"])
     return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
 
 
@@ -120,9 +124,9 @@ def generate_step(gen, train, step, cfg, producer, num_producers, round_=0):
     if gen is None:
         return None
     dist.fault("kill_gen", step)  # test hook: SIGKILL this rank as it starts generating step s
+    ro, seed = cfg.rollout, sample_seed(cfg, step, round_)
     return generate_share(gen, round_problems(train, step, round_, cfg), producer, num_producers,
-                          cfg.rollout.group_size, cfg.rollout.temperature, cfg,
-                          seed=sample_seed(cfg, step, round_))
+                          **sampling(ro, ro.group_size, ro.temperature, seed))
 
 
 def informative(groups, problems, scorer):
@@ -195,12 +199,13 @@ def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_t
     """Greedy pass@1 (and pass@k) on the held-out set; generation shared by all producers."""
     local = None
     if gen is not None:
-        local = generate_share(gen, held_out, producer, num_producers, 1, 0.0, cfg,
-                               seed=seeds.seed(cfg.train.seed, "eval", step))
-        if cfg.eval.pass_k:
-            local["k"] = generate_share(
-                gen, held_out, producer, num_producers, cfg.eval.pass_k, cfg.rollout.temperature,
-                cfg, seed=seeds.seed(cfg.train.seed, "pass_k", step))["completions"]
+        ro, k = cfg.rollout, cfg.eval.pass_k
+        local = generate_share(gen, held_out, producer, num_producers,
+                               **sampling(ro, 1, 0.0, seeds.seed(cfg.train.seed, "eval", step)))
+        if k:
+            pass_k = seeds.seed(cfg.train.seed, "pass_k", step)
+            local["k"] = generate_share(gen, held_out, producer, num_producers,
+                                        **sampling(ro, k, ro.temperature, pass_k))["completions"]
     greedy, _ = collect(local, len(held_out))
     if cfg.eval.pass_k:  # a second collective: generators must take part before they return
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
