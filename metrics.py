@@ -27,23 +27,23 @@ def mismatch(train_logp, gen_logp, mask):
                                                     mask))}
 
 
-def step_metrics(parts, r, correct, lengths, groups, batch, step, sched, skipped_total, num_dropped,
-                 cfg, dp_group, dp):
-    """This step's metrics row: the update's, rewards', mismatch, sync and timing `parts` plus the
-    rollout statistics, averaged over the data-parallel ranks (one all_reduce of one vector)."""
-    row = {**parts, "rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
-           # rollout.accuracy's, whatever else is summed
-           "rollout/accuracy": float((correct >= 1).float().mean()),
-           "rollout/response_len": float(lengths.mean()),
-           "rollout/truncated_frac": float(sum(c.finish_reason == "length"
-                                               for cs in groups for c in cs)
-                                           / lengths.numel()),
-           "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
-           "rollout/staleness": float((step - batch["version"]).mean()),
-           "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
-           ("data/dropped_prompts" if cfg.data.long_prompts == "drop"
-            else "data/truncated_prompts"): float(num_dropped),
-           **(episodes.stats(groups) if cfg.rollout.env else {})}
+def rollout_stats(r, correct, lengths, groups, batch, step, env):
+    """A step's batch in numbers: rewards (B, G) and their accuracy part, response lengths (B, G),
+    the share cut at max_tokens, of groups with no signal, how stale the samples were, and with an
+    env (rollout.env) the episodes' ends."""
+    return {"rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
+            # rollout.accuracy's, whatever else is summed
+            "rollout/accuracy": float((correct >= 1).float().mean()),
+            "rollout/response_len": float(lengths.mean()),
+            "rollout/truncated_frac": float(sum(c.finish_reason == "length"
+                                                for cs in groups for c in cs) / lengths.numel()),
+            "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
+            "rollout/staleness": float((step - batch["version"]).mean()),
+            **(episodes.stats(groups) if env else {})}
+
+
+def dp_mean(row, dp_group, dp):
+    """The row averaged over the data-parallel ranks: one all_reduce of one vector."""
     keys = sorted(row)
     vec = torch.tensor([row[k] for k in keys], dtype=torch.float64)
     tdist.all_reduce(vec, group=dp_group)

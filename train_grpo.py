@@ -420,15 +420,13 @@ def main(argv=None):
     for s in range(start, cfg.train.steps):
         t_step, perf, plan = time.perf_counter(), {}, schedule(s, cfg)
         # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share
-        # (or did, one step ahead), dedicated ones wait for the generators; dynamic sampling refills
-        # the batch (rollout.py)
+        # (or did, one step ahead), dedicated ones wait for the generators; DAPO's filter refills
+        # the batch (rollout.py). Stale and colocated: batch s+1 is sampled now, before the update
         problems, groups, perf["perf/gen_s"], fill = rollout.step_rollout(
             gen, train, s, cfg, producer, num_producers, pending, scorer)
-        # colocated and stale: batch s+1 sampled now, by the weights before this update
         pending = (rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers)
                    if plan.ahead else None)
-        # logged to prompts.jsonl: which data each step saw
-        prompt_ids = [p["id"] for p in problems]
+        prompt_ids = [p["id"] for p in problems]  # to prompts.jsonl: which data each step saw
         perf.update(fill)
         lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
         problems, groups = problems[lo:hi], groups[lo:hi]
@@ -437,57 +435,54 @@ def main(argv=None):
             r, correct, rstats = rewards.score(groups, problems, reward_fns, weights, cfg, pool)
             lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups],
                                    dtype=torch.float32)
-        # 4d. advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask of groups without
-        # signal
-        # ids (B/dp*G, P+R), mask (B/dp*G, R)
+        # 4d. the batch, ids (B/dp*G, P+R) and mask (B/dp*G, R); advantages (B/dp*G, 1) or
+        # (B/dp*G, T); DAPO's filter zeroes the mask of groups without signal
         batch = packing.make_batch(problems, groups, tok.pad_token_id)
-        # the model's inputs
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})
         adv = advantages(r, batch, lengths, cfg)
         if cfg.rollout.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
-        # 4e. reference and old logprobs (no grad), only when the loss needs them
+        # 4e. reference and old logprobs (no grad), only when the loss needs them. pi_old: the
+        # sampler's logprobs when stale; on-policy with one optimizer step, sg(logp) inside the
+        # loss; with several, the policy before them, scored once. With minibatches > 1 it is
+        # scored even when stale: mismatch and drift measure against it (4h)
         with metrics.timed(perf, "perf/ref_s"):
             ref_logp = (packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp)
                         if ref is not None else None)
-        # pi_old: the sampler's logprobs when stale; on-policy with one optimizer step, sg(logp)
-        # inside the loss; with several, the policy before them, scored once. With minibatches > 1
-        # it is scored even when stale: mismatch and drift measure against it (4h)
         with metrics.timed(perf, "perf/old_s"):
             stale, tr = cfg.rollout.max_staleness > 0, cfg.train
-            pre_logp = packing.no_grad_logp(model, batch, tr.micro_batch, temp) \
-                if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None
+            pre_logp = (packing.no_grad_logp(model, batch, tr.micro_batch, temp)
+                        if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None)
             old_logp = batch["gen_logp"] if stale else pre_logp
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with metrics.timed(perf, "perf/train_s"):
-            # GPU: the engine's memory freed for the update (CPU: none)
-            if roles.colocated and gen is not None:
+            if roles.colocated and gen is not None:  # GPU: the engine's memory freed (CPU: none)
                 gen.sleep(keep_weights=not plan.sync)  # new weights follow: no need to keep the old
             m, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
                                             ref_logp if kl_in_loss else None, old_logp, cfg,
                                             roles.device, s)
-        # the policy before this update
-        train_logp = first_logp if pre_logp is None else pre_logp.cpu()
+        train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # before this update
         perf["perf/update_gflops"] = m["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         m.update(metrics.drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
         m.update(metrics.mismatch(train_logp, batch["gen_logp"], batch["mask"]))
         skipped_total += skipped
-        # the run aborts after logging this step, see 4h
-        skipped_run = skipped_run + 1 if skipped else 0
-        # 4g. weight sync: trainer rank 0 -> generators (colocated: straight into this rank's
-        # engine)
+        skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging, see 4h
+        # 4g. weight sync: trainer rank 0 -> generators (colocated: into this rank's engine)
         sync = {}
         with metrics.timed(perf, "perf/sync_s"):
             if plan.sync:
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
                                                      receiver(gen, s + 1))
             if roles.colocated and gen is not None:
-                # whatever still sleeps; after a sync nothing does (generator.py: the wake order)
-                gen.wake_up()
+                gen.wake_up()  # whatever still sleeps; after a sync nothing does (generator.py)
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
-        row = metrics.step_metrics({**m, **rstats, **sync, **perf}, r, correct, lengths, groups,
-                                   batch, s, sched, skipped_total, num_dropped, cfg,
-                                   mesh["dp_shard"].get_group(), dp)
+        dropped = ("data/dropped_prompts" if cfg.data.long_prompts == "drop"
+                   else "data/truncated_prompts")
+        row = metrics.dp_mean({
+            **m, **rstats, **sync, **perf,
+            **metrics.rollout_stats(r, correct, lengths, groups, batch, s, cfg.rollout.env),
+            "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
+            dropped: float(num_dropped)}, mesh["dp_shard"].get_group(), dp)
         if plan.eval:
             with metrics.timed(row, "perf/eval_s"):
                 row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg,
