@@ -72,7 +72,7 @@ def single_turn_options(cfg):
             "shaping is single-turn (with rollout.env, rollout.max_tokens still caps each reply)")
         ro.overlong_cache = 0
     # not even one reply would fit
-    if ro.env and 0 < ro.max_tokens and ro.max_episode_tokens < ro.max_tokens:
+    if ro.env and ro.max_episode_tokens < ro.max_tokens:
         say(f"rollout.max_episode_tokens={ro.max_episode_tokens} raised to "
             f"rollout.max_turns x rollout.max_tokens = {ro.max_turns * ro.max_tokens}: an episode "
             "must fit one whole reply")

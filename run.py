@@ -89,10 +89,10 @@ def resolve_model(path, field="model.path"):
         import fcntl
         path, seed = tiny_spec(path)
         stamp = Path(path, "nanoforge_tiny.json")
-        if stamp.exists() and json.loads(stamp.read_text()).get("seed", 0) != seed:
+        held = json.loads(stamp.read_text()).get("seed", 0) if stamp.exists() else seed
+        if held != seed:
             raise config.ConfigError(f"{field}=tiny:{path}@{seed}: {path} holds the tiny model of "
-                                     f"seed {json.loads(stamp.read_text()).get('seed', 0)}; name "
-                                     "another directory")
+                                     f"seed {held}; name another directory")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         with open(str(path) + ".lock", "w") as f:
             fcntl.flock(f, fcntl.LOCK_EX)

@@ -202,7 +202,8 @@ def main():
         tok = data.Tokenizer(path)
         qs = [json.loads(line)["question"] for line in open(GSM8K_TEST)][:2]
         prompts = [data.prompt_ids(tok, q) for q in qs]
-        for dt, mm in models.items():  # the bf16 generator holds its own bf16 copy, as engine.build_generator makes
+        # the bf16 generator holds its own bf16 copy, as engine.build_generator makes
+        for dt, mm in models.items():
             g = gen if dt == "fp32" else generator.TorchGenerator(mm, tokenizer_path=str(path), max_model_len=1024)
             t0 = time.perf_counter()
             machine.onednn_weights(mm, 16)

@@ -7,5 +7,6 @@ loss.name = "dr_grpo"
 loss.kwargs = {"clip_low": 0.2, "clip_high": 0.2}   # PPO clip 0.2 (paper Table 6); no KL ("beta = 0 throughout")
 # The constant normaliser C is rollout.max_tokens (checks.loss_kwargs passes it): loss = sum m*l / (B*C),
 # the authors' oat code and TRL "dr_grpo" (the paper used C = 3000 with a 3000-token budget).
-loss.adv = "dr_grpo"                                 # A = R - mean_g R: no division by the group std
+loss.adv = "dr_grpo"                                 # A = R - mean_g R: no division by the
+#                                                    # group std
 log.run = "gsm8k_dr_grpo"

@@ -20,7 +20,8 @@ optim.lr = 1e-5                     # a pretrained model: 30x below the from-scr
 optim.betas = (0.9, 0.99)
 train.steps = 40
 train.micro_batch = 16              # 64 sequences / 16 = 4 forward/backward passes per step (bounds activation memory)
-dist.generator_ranks = 0            # colocated: rollout.backend "auto" picks the generator (engine.default_backend)
+dist.generator_ranks = 0            # colocated: rollout.backend "auto" picks the generator
+#                                   # (engine.default_backend)
 model.dtype = "auto"                # bf16 only where this CPU's bf16 matmuls are faster (machine.py): on an AVX-512
 #                                   # BF16 box steps ran 1.5x faster (bench/vs_trl.py: 12.0 vs 17.9 s), at a train/
 #                                   # generator mismatch of 0.037 per token (fp32: 2e-6; loss.tis_cap covers it); on

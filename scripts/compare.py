@@ -5,15 +5,16 @@
     python scripts/compare.py --losses=grpo,sapo_tau5 --lrs=1e-4 --seeds=0,1,2 --staleness=1
     python scripts/compare.py --grpo.rollout.prompts_per_step=16    (an override applied to every cell)
 
-A comparison at one learning rate measures the learning rate, not the loss (docs/losses.md, its last section:
-at 3e-4 with stale batches four of eight losses collapsed). So a cell is (loss, lr, staleness, seed) and the
-grid is every loss x LRS x STALENESS x SEEDS. Each cell is `python train_grpo.py configs/tiny.py` with that
-loss's KNOBS, `--optim.lr`, `--rollout.max_staleness` and `--train.seed`, run in this process (one process, the
-torch generator colocated: the fastest layout on 2 cores, and no start-up per cell), one cell at a time.
-Staleness 1 here is the pipeline's data without its overlap: the batch a step trains on was sampled by the
-weights one step older, and the generator's logprobs are old_logp, so r = pi / pi_old != 1 and each loss's
-clip or importance weight acts. On-policy with one update per batch r == 1, and the losses differ only in
-aggregation and normalisation. No KL term anywhere (beta = 0).
+A comparison at one learning rate measures the learning rate, not the loss (docs/losses.md, its last
+section: at 3e-4 with stale batches four of eight losses collapsed). So a cell is (loss, lr,
+staleness, seed) and the grid is every loss x LRS x STALENESS x SEEDS. Each cell is `python
+train_grpo.py configs/tiny.py` with that loss's KNOBS, `--optim.lr`, `--rollout.max_staleness` and
+`--train.seed`, run in this process (one process, the torch generator colocated: the fastest layout
+on 2 cores, and no start-up per cell), one cell at a time. Staleness 1 here is the pipeline's data
+without its overlap: the batch a step trains on was sampled by the weights one step older, and the
+generator's logprobs are old_logp, so r = pi / pi_old != 1 and each loss's clip or importance weight
+acts. On-policy with one update per batch r == 1, and the losses differ only in aggregation and
+normalisation. No KL term anywhere (beta = 0).
 
 Held fixed: the start checkpoint (the demo's SFT export out/demo/sft/hf, made first if missing: held-out 0.386
 at seed 0), rollouts (32 prompts x 8 samples, temperature 1, 40 tokens), AdamW (0.9, 0.99), clip 1.0, one
@@ -62,7 +63,8 @@ QUICK = dict(lrs=LRS, staleness=(0,), seeds=(0,), steps=20)
 # name -> (losses.LOSSES key, its own settings). configs/tiny.py's loss.kwargs are GRPO's, so each row sets its own.
 KNOBS = {
     "grpo": ("grpo", ['--loss.kwargs={"beta": 0.0, "agg": "token_mean"}']),  # the demo's calibrated setting
-    "dr_grpo": ("dr_grpo", ["--loss.kwargs={}", "--loss.adv=dr_grpo"]),        # no std division; C = max_tokens
+    "dr_grpo": ("dr_grpo", ["--loss.kwargs={}", "--loss.adv=dr_grpo"]),        # no std division;
+                                                                               # C = max_tokens
     "dapo": ("dapo", ["--loss.kwargs={}", "--rollout.filter_zero_std=true"]),  # clip 0.2/0.28, dynamic sampling
     "cispo": ("cispo", ["--loss.kwargs={}"]),                                 # clipped IS weight (cap 5) on lp
     "gspo": ("gspo", ["--loss.kwargs={}"]),                                   # sequence ratio, clip 3e-4 / 4e-4
@@ -72,7 +74,8 @@ KNOBS = {
     # not in the default grid: SAPO with a gate that closes (tau ~ 1 barely gates: docs/losses.md)
     "sapo_tau5": ("sapo", ['--loss.kwargs={"tau_pos": 5.0, "tau_neg": 5.0}']),
 }
-DEFAULT = [name for name in KNOBS if name != "sapo_tau5"]  # the built-ins; --losses=my_loss runs a fork's too
+# the built-ins; --losses=my_loss runs a fork's too
+DEFAULT = [name for name in KNOBS if name != "sapo_tau5"]
 
 # the grid's optimizer, whatever configs/tiny.py's recipe says (docstring); --grpo.* overrides come after these
 FIXED = ["--optim.warmup_steps=0", "--optim.schedule=constant", "--rollout.overlong_cache=0"]
@@ -91,7 +94,8 @@ def start_checkpoint(out_dir):
 
 def cell_args(cell, start, runs_dir, eval_every, shared):
     """The train_grpo command line of one cell (the same line a configs/tiny_<loss>.py recipe reproduces)."""
-    loss, knobs = KNOBS.get(cell["loss"], (cell["loss"], ["--loss.kwargs={}"]))  # a fork's loss: its defaults
+    # a fork's loss: its defaults
+    loss, knobs = KNOBS.get(cell["loss"], (cell["loss"], ["--loss.kwargs={}"]))
     return ["configs/tiny.py", f"--model.path={start}", f"--log.out_dir={runs_dir}", f"--log.run={cell['id']}",
             f"--train.seed={cell['seed']}", f"--train.steps={cell['steps']}", f"--optim.lr={cell['lr']}",
             f"--rollout.max_staleness={cell['staleness']}", f"--eval.every={eval_every}", "--log.plot_every_s=-1",
@@ -237,7 +241,8 @@ def main(argv=None):
     ap.add_argument("--out_dir", default="out", help="outputs go to <out_dir>/<name>/")
     ap.add_argument("--name", default="compare", help="a grid of its own: <out_dir>/<name>/ (e.g. longer runs)")
     ap.add_argument("--quick", action="store_true", help=f"the <= 10 minute grid: {QUICK}")
-    ap.add_argument("--losses", default=",".join(DEFAULT), help=f"comma-separated: {list(KNOBS)}, another "
+    ap.add_argument("--losses", default=",".join(DEFAULT),
+                    help=f"comma-separated: {list(KNOBS)}, another "
                     "losses.LOSSES key or 'file.py:Class' (run with its defaults)")
     ap.add_argument("--lrs", help=f"comma-separated (default {LRS}), or 'best': each loss's best on-policy lr in "
                     "<out_dir>/compare/results.json")
@@ -257,7 +262,8 @@ def main(argv=None):
         lrs = {name: floats(grid["lrs"]) if isinstance(grid["lrs"], str) else grid["lrs"] for name in names}
     unknown = [n for n in names if n not in KNOBS and n not in losses.LOSSES and ":" not in n]
     if unknown:
-        sys.exit(f"compare: unknown loss {unknown} (KNOBS has {list(KNOBS)}; losses.LOSSES {list(losses.LOSSES)})")
+        sys.exit(f"compare: unknown loss {unknown} (KNOBS has {list(KNOBS)}; "
+                 f"losses.LOSSES {list(losses.LOSSES)})")
     out = Path(args.out_dir, args.name)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     start = start_checkpoint(args.out_dir)

@@ -21,9 +21,9 @@ GRPO" is its final eval. Eval accuracy swings by a few points between evals, so 
 mean of the last three evals) is reported beside the last one.
 
 Honest framing (docs/demo.md#how-the-task-was-calibrated): from the same SFT checkpoint, simply
-continuing SFT on worked solutions climbs faster than GRPO does. The demo shows that the RL machinery
-learns from a scalar reward alone, end to end; it does not show RL beating SFT when worked solutions
-exist.
+continuing SFT on worked solutions climbs faster than GRPO does. The demo shows that the RL
+machinery learns from a scalar reward alone, end to end; it does not show RL beating SFT when worked
+solutions exist.
 
 Outputs, under <out>/demo/: summary.json (the table's figures), demo.png (the story in one figure: SFT
 loss, accuracy across both phases, GRPO reward), sft/ and grpo/ (each: metrics.jsonl, curves.png with

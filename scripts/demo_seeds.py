@@ -4,10 +4,11 @@
     python scripts/demo_seeds.py --seeds=0,1 --paths=avx2 --jobs=1 --grpo.optim.lr=1e-4
 
 A learning claim from one run on one machine is an anecdote: on an AVX2-only box the demo that gained +0.25 on an
-AVX-512 box lost 0.29 (docs/machines.md#learning-on-box-b). Floating-point results differ between CPU kernel paths in the
-last bits, and over a thousand SFT steps and a few hundred sampled GRPO steps those bits grow into a different start
-checkpoint and different samples, exactly as a different seed does. So every cell here is a whole `scripts/demo.py`
-run (SFT from scratch, then GRPO) for one (path, seed):
+AVX-512 box lost 0.29 (docs/machines.md#learning-on-box-b). Floating-point results differ between
+CPU kernel paths in the last bits, and over a thousand SFT steps and a few hundred sampled GRPO
+steps those bits grow into a different start checkpoint and different samples, exactly as a
+different seed does. So every cell here is a whole `scripts/demo.py` run (SFT from scratch, then
+GRPO) for one (path, seed):
 
 - path "native": whatever this CPU gives (AVX-512 where it exists);
 - path "avx2": the kernels an AVX2-only machine runs, forced on any x86 box by ATEN_CPU_CAPABILITY=avx2 (PyTorch's
@@ -85,7 +86,8 @@ def calibration(hf_dir, seed, n=8, bins=10):
     import train_grpo
     tok = data.Tokenizer(hf_dir)
     cfg = train_grpo.parse_config([str(demo.ROOT / "configs" / "tiny.py"), f"--train.seed={seed}"])
-    problems = data.problems(cfg.data, "test", seed, 500)  # train_grpo's held-out set (rollout.load_tasks)
+    # train_grpo's held-out set (rollout.load_tasks)
+    problems = data.problems(cfg.data, "test", seed, 500)
     prompts = [data.prompt_ids(tok, p["question"]) for p in problems]
     gen = generator.TorchGenerator(str(hf_dir), max_model_len=96)
     reward = rewards.MathReward(symbolic=False)

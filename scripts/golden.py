@@ -1,14 +1,17 @@
 """Golden runs: a refactoring must not change what the trainers compute.
 
-Runs a handful of short trainings from one random tiny checkpoint (single- and multi-turn, the torch and the
-vLLM generator, colocated and with a vLLM rank under torchrun, staleness with DAPO's refill and minibatches,
-SFT) and keeps every metric except wall-clock ones. Save before a change, check after it:
+Runs a handful of short trainings from one random tiny checkpoint (single- and multi-turn, the torch
+and the vLLM generator, colocated and with a vLLM rank under torchrun, staleness with DAPO's refill
+and minibatches, SFT) and keeps every metric except wall-clock ones. Save before a change, check
+after it:
 
     python scripts/golden.py --save out/golden/before.json
-    python scripts/golden.py --check out/golden/before.json     # exit 1 and the first differences if any moved
+    python scripts/golden.py --check out/golden/before.json
+        # exit 1 and the first differences if any moved
 
-The numbers depend on this machine's CPU kernels, so a golden file is compared on the box that wrote it, never
-committed. A change that is meant to alter sampling (a new seed function) says so and saves a new file.
+The numbers depend on this machine's CPU kernels, so a golden file is compared on the box that wrote
+it, never committed. A change that is meant to alter sampling (a new seed function) says so and
+saves a new file.
 """
 import argparse
 import json
@@ -27,38 +30,46 @@ RUNS = {  # name -> (launcher processes (0: plain python), trainer, arguments)
     "torch": (0, "train_grpo.py", ["--rollout.backend=torch"]),
     "vllm": (0, "train_grpo.py", ["--rollout.backend=vllm"]),
     "turns": (0, "train_grpo.py", ["--rollout.backend=torch", "--rollout.env=calculator",
-                                   "--rollout.overlong_cache=0", "--rollout.max_episode_tokens=64"]),
+                                   "--rollout.overlong_cache=0",
+                                   "--rollout.max_episode_tokens=64"]),
     "stale_refill": (0, "train_grpo.py", ["--rollout.backend=torch", "--rollout.max_staleness=1",
-                                          "--rollout.filter_zero_std=True", "--rollout.refill_rounds=1",
-                                          "--train.minibatches=2", "--loss.tis_cap=2.0", "--log.drift=True"]),
+                                          "--rollout.filter_zero_std=True",
+                                          "--rollout.refill_rounds=1", "--train.minibatches=2",
+                                          "--loss.tis_cap=2.0", "--log.drift=True"]),
     "vllm_rank": (2, "train_grpo.py", ["--rollout.backend=vllm", "--dist.generator_ranks=1"]),
     "sft": (0, "train_sft.py", ["--train.steps=4", "--eval.every=2", "--eval.num_problems=16",
                                 "--log.plot_every_s=-1"]),
 }
-# A random tiny model never answers right, so the math reward alone is 0 and the update does nothing: a reward
-# with signal in every group (the share of digits in a reply) makes each run's update, KL and drift move.
-REWARD = 'def digits(prompt, response, target):\n    return sum(c.isdigit() for c in response) / max(len(response), 1)\n'
+# A random tiny model never answers right, so the math reward alone is 0 and the update does
+# nothing: a reward with signal in every group (the share of digits in a reply) makes each run's
+# update, KL and drift move.
+REWARD = ('def digits(prompt, response, target):\n'
+          '    return sum(c.isdigit() for c in response) / max(len(response), 1)\n')
 WALL = ("perf/", "time/")  # wall-clock metrics: they move between any two runs
 WALL_KEYS = {"sync/seconds", "sync/gbps", "ckpt/save_s"}
 
 
 def run_one(name, init, out):
     nproc, script, args = RUNS[name]
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"] if nproc \
-        else [sys.executable]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+                if nproc else [sys.executable])
     reward = f"--rollout.rewards={{'math': 1.0, '{out.parent / 'reward.py'}:digits': 1.0}}"
-    config = ["configs/sft_tiny.py"] if script == "train_sft.py" else ["configs/tiny.py", *SMALL, reward]
-    cmd = [*launcher, script, *config, f"--model.path={init}", f"--log.out_dir={out}", f"--log.run={name}", *args]
+    config = (["configs/sft_tiny.py"] if script == "train_sft.py"
+              else ["configs/tiny.py", *SMALL, reward])
+    cmd = [*launcher, script, *config, f"--model.path={init}", f"--log.out_dir={out}",
+           f"--log.run={name}", *args]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if res.returncode:
-        raise SystemExit(f"{name} failed:\n{' '.join(cmd)}\n{res.stdout[-2000:]}{res.stderr[-4000:]}")
+        raise SystemExit(f"{name} failed:\n{' '.join(cmd)}\n"
+                         f"{res.stdout[-2000:]}{res.stderr[-4000:]}")
     rows = [json.loads(line) for line in open(out / name / "metrics.jsonl")]
-    return [{k: v for k, v in r.items() if not k.startswith(WALL) and k not in WALL_KEYS} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(WALL) and k not in WALL_KEYS}
+            for r in rows]
 
 
-# stale_refill differs from run to run by <= 1e-6 relative with the same code, on the commit before the golden
-# harness too (fp32 sums in another order somewhere in its stale, refilled, two-minibatch update): it is compared
-# to NOISY relative; every other run must match to the last bit.
+# stale_refill differs from run to run by <= 1e-6 relative with the same code, on the commit before
+# the golden harness too (fp32 sums in another order somewhere in its stale, refilled, two-minibatch
+# update): it is compared to NOISY relative; every other run must match to the last bit.
 NOISY = {"stale_refill": 1e-5}
 
 

@@ -2,8 +2,9 @@
 
 Single: the single-turn loop written as an env (the opening prompt is data.prompt_ids', the first reply is final):
 a run with it must log exactly the numbers a run without an env logs. Mixed: each problem gets one of the three
-built-ins (by its question), so one torchrun run plays all three on a dedicated generator rank. digit_share: a
-reward a random tiny model earns in varying amounts, so that every group carries signal and an update moves.
+built-ins (by its question), so one torchrun run plays all three on a dedicated generator rank.
+digit_share: a reward a random tiny model earns in varying amounts, so that every group carries
+signal and an update moves.
 """
 import zlib
 

@@ -1,5 +1,5 @@
-"""Shared test fixtures: the repository's paths, tiny checkpoints, the real SmolLM2-135M-Instruct checkpoint,
-and one warmed vLLM engine per session for each of the tiny and the real model.
+"""Shared test fixtures: the repository's paths, tiny checkpoints, the real SmolLM2-135M-Instruct
+checkpoint, and one warmed vLLM engine per session for each of the tiny and the real model.
 
 The vLLM engine is the slow thing to start (a few seconds, plus a one-off warm-up on the first
 generate), so every test that needs one borrows a session-wide instance. The real model comes from
@@ -15,8 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K_DIR = ROOT / "data" / "gsm8k"  # carried by the repository (MIT, its LICENSE beside it)
 sys.path.insert(0, str(ROOT))
-# What only the built-in losses carry: a gsm8k_<loss>.py recipe with the paper's settings, a tiny_<loss>.py cell of
-# the loss grid (scripts/compare.py) and a section of docs/losses-spec.md. A loss a fork adds needs none of them.
+# What only the built-in losses carry: a gsm8k_<loss>.py recipe with the paper's settings, a
+# tiny_<loss>.py cell of the loss grid (scripts/compare.py) and a section of docs/losses-spec.md. A
+# loss a fork adds needs none of them.
 BUILTIN_LOSSES = ("grpo", "dr_grpo", "dapo", "cispo", "gspo", "sapo", "simple_grpo", "reinforce")
 
 

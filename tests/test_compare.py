@@ -82,8 +82,9 @@ def recipe_cell(text):
 
 @pytest.mark.parametrize("name", BUILTIN_LOSSES)
 def test_tiny_recipe_is_its_grid_cell(name, monkeypatch):
-    """configs/tiny_<loss>.py parses to exactly the config of the grid cell it cites (log fields aside): a built-in's
-    (conftest.BUILTIN_LOSSES), since a loss a fork adds runs in the grid with its defaults and needs no recipe."""
+    """configs/tiny_<loss>.py parses to exactly the config of the grid cell it cites (log fields
+    aside): a built-in's (conftest.BUILTIN_LOSSES), since a loss a fork adds runs in the grid with
+    its defaults and needs no recipe."""
     import train_grpo
     monkeypatch.chdir(ROOT)
     path = ROOT / "configs" / f"tiny_{name}.py"

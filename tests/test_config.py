@@ -56,8 +56,9 @@ def test_cli_errors(argv, message):
 
 
 def test_a_config_includes_its_base_relative_to_itself(tmp_path):
-    """`include("base.py")` inside a config file runs that file there, named relative to the including file (so a
-    recipe in configs/ includes "tiny.py" wherever it is launched from); a missing one names its path."""
+    """`include("base.py")` inside a config file runs that file there, named relative to the
+    including file (so a recipe in configs/ includes "tiny.py" wherever it is launched from); a
+    missing one names its path."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "base.py").write_text("loss.beta = 0.5\ntrain.steps = 7\n")
     (tmp_path / "sub" / "mid.py").write_text('include("base.py")\ntrain.steps = 9\n')
@@ -166,26 +167,28 @@ def test_every_loss_runs_on_every_shipped_grpo_config(loss, monkeypatch, capsys)
 
 @pytest.mark.parametrize("env", sorted(__import__("envs").BUILTIN))
 def test_every_env_runs_on_every_shipped_grpo_config(env, monkeypatch, capsys):
-    """`--rollout.env=<env>` on any GRPO config validates, as every loss does: options episodes do not take
-    (tiny.py's overlong_cache) are dropped, and a reply budget larger than the episode's (gsm8k.py's)
-    raises the episode's, each with a one-line note instead of refused."""
+    """`--rollout.env=<env>` on any GRPO config validates, as every loss does: options episodes do
+    not take (tiny.py's overlong_cache) are dropped, and a reply budget larger than the episode's
+    (gsm8k.py's) raises the episode's, each with a one-line note instead of refused."""
     import train_grpo
     monkeypatch.chdir(ROOT)
     for path in CONFIGS:
         if path.name.startswith("sft_"):
             continue
         cfg = train_grpo.parse_config([str(path.relative_to(ROOT)), f"--rollout.env={env}"])
-        had, short = cfg.rollout.overlong_cache, cfg.rollout.max_episode_tokens < cfg.rollout.max_tokens
+        had, short = (cfg.rollout.overlong_cache,
+                      cfg.rollout.max_episode_tokens < cfg.rollout.max_tokens)
         checks.grpo(cfg, intended_world_size(path))
         err = capsys.readouterr().err
-        assert cfg.rollout.overlong_cache == 0 and cfg.rollout.max_episode_tokens >= cfg.rollout.max_tokens
+        assert (cfg.rollout.overlong_cache == 0
+                and cfg.rollout.max_episode_tokens >= cfg.rollout.max_tokens)
         assert ("note: rollout.overlong_cache" in err) == bool(had), path.name
         assert ("note: rollout.max_episode_tokens" in err) == short, path.name
 
 
 def test_every_builtin_loss_has_a_gsm8k_recipe():
-    """configs/gsm8k_<loss>.py exists for each built-in loss (conftest.BUILTIN_LOSSES: a loss a fork adds needs no
-    recipe), names its section of docs/losses-spec.md, and selects that loss."""
+    """configs/gsm8k_<loss>.py exists for each built-in loss (conftest.BUILTIN_LOSSES: a loss a fork
+    adds needs no recipe), names its section of docs/losses-spec.md, and selects that loss."""
     import train_grpo
     from conftest import BUILTIN_LOSSES
     for name in BUILTIN_LOSSES:
@@ -233,21 +236,26 @@ def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
 
 
 def test_load_object_names_what_failed(tmp_path):
-    (tmp_path / "data.py").write_text("def load(source, split):\n    return []\n")  # shadows nanoforge's data
+    # shadows nanoforge's data
+    (tmp_path / "data.py").write_text("def load(source, split):\n    return []\n")
     with pytest.raises(config.ConfigError, match="module name 'data' is taken by"):
         config.load_object(f"{tmp_path}/data.py:load", "data.name")
     (tmp_path / "broken_rewards.py").write_text("import no_such_package\n")
-    with pytest.raises(config.ConfigError, match=r"rollout.rewards\['x'\]: cannot load .*ModuleNotFoundError"):
+    with pytest.raises(config.ConfigError,
+                       match=r"rollout.rewards\['x'\]: cannot load .*ModuleNotFoundError"):
         config.load_object(f"{tmp_path}/broken_rewards.py:R", "rollout.rewards['x']")
     assert config.load_object("json:dumps", "f") is json.dumps
 
 
 def test_named_resolves_builtins_and_user_files_the_same_way(tmp_path):
-    """config.named: the one loader of every extension point. A built-in's name, a module or a file; a typo names the
-    closest built-in and says how to name one's own."""
+    """config.named: the one loader of every extension point. A built-in's name, a module or a file;
+    a typo names the closest built-in and says how to name one's own."""
     assert config.named("b", {"a": 1, "b": 2}, "loss.name", "loss") == 2
     assert config.named("json:dumps", {"a": 1}, "loss.name", "loss") is json.dumps
-    (tmp_path / "my_adv.py").write_text("def centred(rewards, batch):\n    return rewards - rewards.mean()\n")
-    assert config.named(f"{tmp_path}/my_adv.py:centred", {}, "loss.adv", "estimator").__name__ == "centred"
-    with pytest.raises(config.ConfigError, match=r"loss.adv: unknown estimator 'rlo' \(did you mean 'rloo'\?\); or"):
+    (tmp_path / "my_adv.py").write_text("def centred(rewards, batch):\n"
+                                        "    return rewards - rewards.mean()\n")
+    assert (config.named(f"{tmp_path}/my_adv.py:centred", {}, "loss.adv", "estimator").__name__
+            == "centred")
+    with pytest.raises(config.ConfigError,
+                       match=r"loss.adv: unknown estimator 'rlo' \(did you mean 'rloo'\?\); or"):
         config.named("rlo", {"rloo": 1, "grpo": 2}, "loss.adv", "estimator")

@@ -80,12 +80,16 @@ def test_env_config_names_the_closest_env_and_drops_overlong_shaping(tiny_ckpt, 
         checks.grpo(train_grpo.parse_config([*base, "--rollout.env=calculater"]), 1)
     with pytest.raises(ConfigError, match="cannot load 'nope.py:Env'"):
         checks.grpo(train_grpo.parse_config([*base, "--rollout.env=nope.py:Env"]), 1)
-    cfg = train_grpo.parse_config(["configs/tiny.py", f"--model.path={tiny_ckpt}", "--rollout.env=guess"])
-    assert cfg.rollout.overlong_cache == 16  # tiny.py's: single-turn only, so dropped with a note, not refused
+    cfg = train_grpo.parse_config(["configs/tiny.py", f"--model.path={tiny_ckpt}",
+                                   "--rollout.env=guess"])
+    # tiny.py's: single-turn only, so dropped with a note, not refused
+    assert cfg.rollout.overlong_cache == 16
     checks.grpo(cfg, 1)
-    assert cfg.rollout.overlong_cache == 0 and "rollout.overlong_cache=16 dropped" in capsys.readouterr().err
+    assert (cfg.rollout.overlong_cache == 0
+            and "rollout.overlong_cache=16 dropped" in capsys.readouterr().err)
     cfg = train_grpo.parse_config([*base, "--rollout.env=guess", "--rollout.max_episode_tokens=8"])
-    checks.grpo(cfg, 1)  # a budget that cannot hold one reply is raised to max_turns replies, with a note
+    # a budget that cannot hold one reply is raised to max_turns replies, with a note
+    checks.grpo(cfg, 1)
     assert cfg.rollout.max_episode_tokens == cfg.rollout.max_turns * cfg.rollout.max_tokens
     assert "rollout.max_episode_tokens=8 raised" in capsys.readouterr().err
     cfg = train_grpo.parse_config([*base, "--rollout.env=retry", "--data.instruction= Just the number."])
@@ -327,7 +331,8 @@ def test_episode_logprobs_vllm_generator(tiny_ckpt, vllm_engine, monkeypatch):
 COLOCATED = ["--dist.generator_ranks=0", "--rollout.backend=torch", "--rollout.overlong_cache=0", "--eval.every=0",
              "--eval.num_problems=16", "--rollout.max_tokens=16", "--rollout.max_episode_tokens=96",
              "--rollout.max_turns=3", "--rollout.prompts_per_step=8", "--rollout.group_size=4",
-             "--rollout.rewards={'tests/_envs.py:digit_share': 1.0}"]  # a random model earns varied rewards
+             # a random model earns varied rewards
+             "--rollout.rewards={'tests/_envs.py:digit_share': 1.0}"]
 
 
 TIMES = ("perf/", "sync/")  # wall-clock figures: the only keys two identical runs may disagree on

@@ -234,9 +234,10 @@ def test_onednn_linears_are_the_trainers_math_and_follow_the_weights(tiny_ckpt, 
 
 
 def test_a_forks_changed_block_is_what_the_torch_generator_runs(tiny_ckpt, monkeypatch):
-    """A fork changes a projection the CPU decode step would otherwise stack and reorder (machine.onednn_weights):
-    an MLP subclass with its own gate_up, a patched qkv on one layer's attention. The torch generator must sample
-    from the changed model, its logprobs the trainer's, while the untouched modules still take the fast path."""
+    """A fork changes a projection the CPU decode step would otherwise stack and reorder
+    (machine.onednn_weights): an MLP subclass with its own gate_up, a patched qkv on one layer's
+    attention. The torch generator must sample from the changed model, its logprobs the trainer's,
+    while the untouched modules still take the fast path."""
     import model as model_lib
 
     class GatedTwice(model_lib.MLP):  # the way a fork would: a subclass swapped into the blocks
@@ -247,11 +248,13 @@ def test_a_forks_changed_block_is_what_the_torch_generator_runs(tiny_ckpt, monke
     for block in model.model.layers:
         block.mlp.__class__ = GatedTwice
     attn = model.model.layers[0].self_attn
-    attn.qkv = lambda x: (attn.q_proj(x) * 1.5, attn.k_proj(x), attn.v_proj(x))  # patched on one module
+    # patched on one module
+    attn.qkv = lambda x: (attn.q_proj(x) * 1.5, attn.k_proj(x), attn.v_proj(x))
     fast = machine.onednn_weights(model, 8)
     assert attn not in fast and not any(m in fast for b in model.model.layers for m in (b.mlp,))
     assert model.model.layers[1].self_attn in fast  # untouched: still stacked and reordered
-    prompts, kw = make_prompts(4, seed=5), dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], seed=0)
+    prompts, kw = make_prompts(4, seed=5), dict(n=2, temperature=1.0, max_tokens=12,
+                                                stop_token_ids=[], seed=0)
     out = TorchGenerator(model, max_model_len=128).generate(prompts, **kw)
     assert max_gap(model, out) < TOL
     assert "qkv" in vars(attn)  # the fork's patch is still there afterwards

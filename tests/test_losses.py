@@ -12,8 +12,9 @@ import torch
 import losses
 from conftest import BUILTIN_LOSSES
 from losses import (LOSSES, CISPOLoss, DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss, ReinforceLoss, SAPOLoss,
-                    SimpleGRPOLoss, dr_grpo_advantages, entropy_bonus, group_advantages, kl_estimate,
-                    overlong_penalty, reinforce_pp_advantages, rloo_advantages, tis_weights, zero_std_groups)
+                    SimpleGRPOLoss, dr_grpo_advantages, entropy_bonus, group_advantages,
+                    kl_estimate, overlong_penalty, reinforce_pp_advantages, rloo_advantages,
+                    tis_weights, zero_std_groups)
 
 D = torch.float64
 ATOL = 1e-6
@@ -134,7 +135,8 @@ def test_e3_in_float32():
 def test_e9_advantages():
     r = t([[1, 0, 0, 1, 0, 0]])
     assert close(group_advantages(r, eps=1e-6), [[1.290992, -0.645496, -0.645496, 1.290992, -0.645496, -0.645496]])
-    assert close(dr_grpo_advantages(r), [[0.666667, -0.333333, -0.333333, 0.666667, -0.333333, -0.333333]])
+    assert close(dr_grpo_advantages(r),
+                 [[0.666667, -0.333333, -0.333333, 0.666667, -0.333333, -0.333333]])
     assert close(rloo_advantages(r), [[0.8, -0.4, -0.4, 0.8, -0.4, -0.4]])
     for f in (group_advantages, dr_grpo_advantages, rloo_advantages):
         assert torch.equal(f(t([[0.7] * 6])), torch.zeros(1, 6, dtype=D))  # all-equal group
@@ -331,13 +333,16 @@ def test_matches_python_loop_reference(name, seed, per_token_adv):
 
 # ---- section 10 invariants on random inputs ----
 
-REQUIRED = {"dr_grpo": {"max_tokens": 7}, "simple_grpo": {"beta": 0.1}}  # arguments with no default (or a test's)
+# arguments with no default (or a test's)
+REQUIRED = {"dr_grpo": {"max_tokens": 7}, "simple_grpo": {"beta": 0.1}}
 
 
 def all_losses():
-    """Every losses.LOSSES entry (a loss added there is tested here too, with its defaults), plus variants."""
+    """Every losses.LOSSES entry (a loss added there is tested here too, with its defaults), plus
+    variants."""
     return {**{name: cls(**REQUIRED.get(name, {})) for name, cls in LOSSES.items()},
-            "grpo_tok": GRPOLoss(agg="token_mean", dual_clip=2.0, kl="k2"), "gspo_token": GSPOLoss(level="token")}
+            "grpo_tok": GRPOLoss(agg="token_mean", dual_clip=2.0, kl="k2"),
+            "gspo_token": GSPOLoss(level="token")}
 
 
 @pytest.mark.parametrize("name", list(all_losses()))
@@ -597,16 +602,18 @@ def test_entropy_bonus():
 
 
 def test_each_builtin_loss_stands_alone_in_under_100_lines():
-    # STYLE.md: each loss reads on its own in well under 100 lines (a style rule for the built-ins, not a file cap)
+    # STYLE.md: each loss reads on its own in well under 100 lines (a style rule for the built-ins,
+    # not a file cap)
     import inspect
     for name in BUILTIN_LOSSES:
         assert len(inspect.getsource(LOSSES[name]).splitlines()) < 100, name
 
 
 def test_advantage_registry_and_per_token_shapes():
-    """losses.ADVANTAGES: one name per estimator, called as fn(rewards, batch); sequence-level ones return (B, G)
-    and ignore the batch."""
-    assert set(losses.ADVANTAGES) == {"grpo", "dr_grpo", "rloo", "reinforce_pp"} | set(losses.ADVANTAGES)
+    """losses.ADVANTAGES: one name per estimator, called as fn(rewards, batch); sequence-level ones
+    return (B, G) and ignore the batch."""
+    assert set(losses.ADVANTAGES) == ({"grpo", "dr_grpo", "rloo", "reinforce_pp"}
+                                      | set(losses.ADVANTAGES))
     r = t([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.0]])
     batch = {"mask": torch.ones(8, 5)}
     for name, fn in losses.ADVANTAGES.items():

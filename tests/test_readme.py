@@ -59,24 +59,27 @@ def test_readme_new_loss_equals_dapo_on_policy_gradient():
 
 @pytest.fixture(autouse=True)
 def fresh_user_modules():
-    """Each test saves the README's files in its own temp dir; a module imported by file name from another one must
-    not be found instead (config.load_object refuses a name that is taken)."""
+    """Each test saves the README's files in its own temp dir; a module imported by file name from
+    another one must not be found instead (config.load_object refuses a name that is taken)."""
     import sys
     for name in [m for m in sys.modules if m.startswith("my_")]:
         del sys.modules[name]
 
 
 def user_files(tmp_path):
-    """The README's loss, estimator and dataset saved as a user's own files, and the config lines naming them."""
-    for file, block in (("my_loss.py", "new-loss"), ("my_adv.py", "new-estimator"), ("my_data.py", "new-dataset")):
+    """The README's loss, estimator and dataset saved as a user's own files, and the config lines
+    naming them."""
+    for file, block in (("my_loss.py", "new-loss"), ("my_adv.py", "new-estimator"),
+                        ("my_data.py", "new-dataset")):
         (tmp_path / file).write_text(readme_block(block))
-    lines = [readme_block("loss-config"), 'loss.adv = "my_adv.py:discounted_advantages"', 'data.name = "my_data.py:load"']
+    lines = [readme_block("loss-config"), 'loss.adv = "my_adv.py:discounted_advantages"',
+             'data.name = "my_data.py:load"']
     return "\n".join(line.strip().replace('"my_', f'"{tmp_path}/my_') for line in lines) + "\n"
 
 
 def test_readme_loss_and_estimator_from_user_files_pass_validation(tmp_path, monkeypatch):
-    """Named as files in a config, the README's loss and estimator pass train_grpo's validation like built-ins, and
-    losses.LOSSES stays as it was: nanoforge is not edited."""
+    """Named as files in a config, the README's loss and estimator pass train_grpo's validation like
+    built-ins, and losses.LOSSES stays as it was: nanoforge is not edited."""
     import train_grpo
     (tmp_path / "user.py").write_text(user_files(tmp_path))
     monkeypatch.chdir(ROOT)
@@ -88,9 +91,10 @@ def test_readme_loss_and_estimator_from_user_files_pass_validation(tmp_path, mon
 
 
 def test_readme_estimator_is_per_token_and_the_trainer_takes_it(tmp_path, monkeypatch):
-    """The README's estimator against a slow loop (a multi-turn mask with a gap: env tokens are not trained on), at
-    gamma = 1 equal to GRPO's per-sequence advantage on every trained token, and through train_grpo.advantages
-    (named as a file) a (B*G, T) tensor; a wrong shape from an estimator is an error naming it."""
+    """The README's estimator against a slow loop (a multi-turn mask with a gap: env tokens are not
+    trained on), at gamma = 1 equal to GRPO's per-sequence advantage on every trained token, and
+    through train_grpo.advantages (named as a file) a (B*G, T) tensor; a wrong shape from an
+    estimator is an error naming it."""
     import train_grpo
     fn = readme_namespace("new-estimator")["discounted_advantages"]
     r = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0]])
@@ -101,11 +105,13 @@ def test_readme_estimator_is_per_token_and_the_trainer_takes_it(tmp_path, monkey
     for i in range(6):
         for t in range(5):
             after = int(mask[i, t + 1:].sum())
-            assert got[i, t] == pytest.approx(float(seq[i]) * 0.9 ** after * float(mask[i, t]), abs=1e-6)
+            assert got[i, t] == pytest.approx(float(seq[i]) * 0.9 ** after * float(mask[i, t]),
+                                              abs=1e-6)
     torch.testing.assert_close(fn(r, {"mask": mask}, gamma=1.0), seq[:, None] * mask)
     (tmp_path / "my_adv.py").write_text(readme_block("new-estimator"))
     (tmp_path / "bad.py").write_text("def adv(rewards, batch):\n    return rewards[:, :1]\n")
-    cfg = train_grpo.parse_config(["configs/tiny.py", f"--loss.adv={tmp_path}/my_adv.py:discounted_advantages",
+    cfg = train_grpo.parse_config(["configs/tiny.py",
+                                   f"--loss.adv={tmp_path}/my_adv.py:discounted_advantages",
                                    "--rollout.overlong_cache=0"])
     adv = train_grpo.advantages(r, {"mask": mask}, None, cfg)
     assert adv.shape == (6, 5) and torch.equal(adv, got)
@@ -149,14 +155,18 @@ def test_every_relative_link_resolves():
     assert checked >= 10, checked  # the pages do link to each other
 
 
-SOURCES = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".sh", ".txt", "")
-           and not {".git", ".venv", "out", "__pycache__", ".pytest_cache"} & set(p.relative_to(ROOT).parts)]
+SOURCES = [p for p in ROOT.rglob("*")
+           if p.is_file() and p.suffix in (".py", ".md", ".sh", ".txt", "")
+           and not ({".git", ".venv", "out", "__pycache__", ".pytest_cache"}
+                    & set(p.relative_to(ROOT).parts))]
 
 
 def test_the_repository_stands_alone():
-    """A clone has nothing beside it: no file points outside the repository, and every `docs/<page>.md#heading`
-    a code comment or config cites exists (the figures behind a constant live there, not in the comment)."""
-    cited, outside = 0, "../" + "shared"  # spelled in two pieces so that this file passes its own test
+    """A clone has nothing beside it: no file points outside the repository, and every
+    `docs/<page>.md#heading` a code comment or config cites exists (the figures behind a constant
+    live there, not in the comment)."""
+    # spelled in two pieces so that this file passes its own test
+    cited, outside = 0, "../" + "shared"
     for path in SOURCES:
         text = path.read_text(errors="replace")
         assert outside not in text, f"{path.relative_to(ROOT)} points outside the repository"
@@ -239,9 +249,10 @@ def test_readme_new_env_steps_and_runs_two_grpo_steps(tmp_path):
 
 @pytest.mark.slow
 def test_readme_loss_estimator_and_dataset_from_user_files_train(tmp_path):
-    """Two GRPO steps with the README's loss, per-token estimator and dataset, each the user's own file named in a
-    config: nanoforge untouched. The dataset's problems are what the run trained on (prompts.jsonl holds their
-    indices), and the per-token advantages reached the loss (finite, non-zero loss/pg on some step)."""
+    """Two GRPO steps with the README's loss, per-token estimator and dataset, each the user's own
+    file named in a config: nanoforge untouched. The dataset's problems are what the run trained on
+    (prompts.jsonl holds their indices), and the per-token advantages reached the loss (finite,
+    non-zero loss/pg on some step)."""
     import json
     import subprocess
     import sys
@@ -252,16 +263,20 @@ def test_readme_loss_estimator_and_dataset_from_user_files_train(tmp_path):
             for p in problems:
                 f.write(json.dumps({"q": p["question"], "a": p["target"]}) + "\n")
     (tmp_path / "user.py").write_text(user_files(tmp_path))
-    res = subprocess.run([sys.executable, "train_grpo.py", "configs/tiny.py", str(tmp_path / "user.py"),
-                          "--loss.kwargs={}", f"--data.source={tmp_path}", f"--model.path=tiny:{tmp_path}/init",
-                          "--train.steps=2", "--rollout.prompts_per_step=4", "--eval.num_problems=8",
-                          f"--log.out_dir={tmp_path}", "--log.run=user"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run([sys.executable, "train_grpo.py", "configs/tiny.py",
+                          str(tmp_path / "user.py"), "--loss.kwargs={}",
+                          f"--data.source={tmp_path}", f"--model.path=tiny:{tmp_path}/init",
+                          "--train.steps=2", "--rollout.prompts_per_step=4",
+                          "--eval.num_problems=8", f"--log.out_dir={tmp_path}", "--log.run=user"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(x) for x in (tmp_path / "user" / "metrics.jsonl").read_text().splitlines()][1:]
+    steps = [json.loads(x)
+             for x in (tmp_path / "user" / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(steps) == 2 and all(np_finite(r["loss/pg"]) for r in steps)
-    assert any(r["loss/pg"] != 0 for r in steps)  # tiny.py's overlong shaping gives the random model a signal
-    ids = [json.loads(x)["ids"] for x in (tmp_path / "user" / "prompts.jsonl").read_text().splitlines()]
+    # tiny.py's overlong shaping gives the random model a signal
+    assert any(r["loss/pg"] != 0 for r in steps)
+    ids = [json.loads(x)["ids"]
+           for x in (tmp_path / "user" / "prompts.jsonl").read_text().splitlines()]
     assert len(ids) == 2 and all(0 <= i < 40 for step in ids for i in step)
 
 

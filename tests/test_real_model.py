@@ -135,7 +135,8 @@ def test_episode_logprobs_on_smollm2_both_generators(smollm2, smollm2_vllm, ours
 GRPO_SMALL = ["--train.steps=2", "--rollout.prompts_per_step=2", "--rollout.group_size=4", "--rollout.max_tokens=16",
               "--eval.num_problems=4", "--eval.every=0", '--loss.kwargs={"beta": 0.04}', "--rollout.kv_cache_mb=64",
               "--dist.timeout_s=300", "--train.micro_batch=8",
-              "--loss.entropy_coef=0.01",  # the policy moves at step 1 even if no group of 2 x 4 has signal
+              # the policy moves at step 1 even if no group of 2 x 4 has signal
+              "--loss.entropy_coef=0.01",
               "--model.dtype=float32"]  # smollm2_cpu.py's "auto" may pick bf16; the parity bounds below are fp32's
 GRPO_KEYS = ("loss/pg", "loss/kl", "loss/entropy", "train/grad_norm", "mismatch/abs_diff", "mismatch/kl",
              "rollout/reward_mean", "perf/gen_s", "perf/ref_s", "perf/train_s")

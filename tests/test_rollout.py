@@ -1,6 +1,7 @@
-"""The schedule that a dedicated generator rank and the trainers must agree on (train_grpo.schedule), and
-collecting a step's rollouts (rollout.collect). The backend "auto" picks: test_engine.py; the data order, a
-function of seed and step alone, is data.step_batch: test_data.py."""
+"""The schedule that a dedicated generator rank and the trainers must agree on
+(train_grpo.schedule), and collecting a step's rollouts (rollout.collect). The backend "auto" picks:
+test_engine.py; the data order, a function of seed and step alone, is data.step_batch:
+test_data.py."""
 import json
 import subprocess
 import sys
@@ -11,19 +12,24 @@ from conftest import ROOT
 
 
 def test_one_schedule_for_both_loops_and_every_eval_sees_fresh_weights():
-    """train_grpo.schedule: what main() and generator_loop() both do at step s (their collectives must match)."""
+    """train_grpo.schedule: what main() and generator_loop() both do at step s (their collectives
+    must match)."""
     cfg = SimpleNamespace(dist=SimpleNamespace(sync_interval=3), eval=SimpleNamespace(every=5),
                           train=SimpleNamespace(steps=12), rollout=SimpleNamespace(max_staleness=0),
                           ckpt=SimpleNamespace(every=4))
     plans = [train_grpo.schedule(s, cfg) for s in range(12)]
-    assert [s for s, p in enumerate(plans) if p.eval] == [4, 9, 11]  # every 5 steps and after the last
-    assert [s for s, p in enumerate(plans) if p.sync] == [2, 4, 5, 8, 9, 11]  # every 3 steps, and before each eval
+    # every 5 steps and after the last
+    assert [s for s, p in enumerate(plans) if p.eval] == [4, 9, 11]
+    # every 3 steps, and before each eval
+    assert [s for s, p in enumerate(plans) if p.sync] == [2, 4, 5, 8, 9, 11]
     assert [s for s, p in enumerate(plans) if p.ckpt] == [3, 7, 11]  # after steps 4, 8, 12
     assert not any(p.ahead for p in plans)
     cfg.rollout.max_staleness = 1  # one batch ahead, except after the last step
-    assert [p.ahead for p in (train_grpo.schedule(s, cfg) for s in range(12))] == [True] * 11 + [False]
+    assert ([p.ahead for p in (train_grpo.schedule(s, cfg) for s in range(12))]
+            == [True] * 11 + [False])
     cfg.eval.every = 0
-    assert [s for s in range(12) if train_grpo.schedule(s, cfg).eval] == [11]  # the final eval always runs
+    # the final eval always runs
+    assert [s for s in range(12) if train_grpo.schedule(s, cfg).eval] == [11]
 
 
 COLLECT = """

@@ -77,14 +77,16 @@ def test_model_path_typo_creates_nothing(tmp_path):
 
 
 def test_tiny_models_differ_by_seed_and_one_directory_holds_one(tmp_path):
-    """A second `tiny:` model (a teacher beside the student) is another model: the seed is in the spec."""
+    """A second `tiny:` model (a teacher beside the student) is another model: the seed is in the
+    spec."""
     from safetensors.torch import load_file
     a, b = run.resolve_model(f"tiny:{tmp_path}/a"), run.resolve_model(f"tiny:{tmp_path}/b@1")
     assert run.resolve_model(f"tiny:{tmp_path}/a@0") == a  # @0 is the default, made once
     wa, wb = load_file(f"{a}/model.safetensors"), load_file(f"{b}/model.safetensors")
     assert wa.keys() == wb.keys()
     assert not any(wa[k].equal(wb[k]) for k in wa if k.endswith("proj.weight"))
-    with pytest.raises(config.ConfigError, match=r"distill.teacher=tiny:.*/a@2: .* holds the tiny model of seed 0"):
+    with pytest.raises(config.ConfigError,
+                       match=r"distill.teacher=tiny:.*/a@2: .* holds the tiny model of seed 0"):
         run.resolve_model(f"tiny:{tmp_path}/a@2", field="distill.teacher")
 
 
@@ -94,7 +96,8 @@ def test_tiny_models_differ_by_seed_and_one_directory_holds_one(tmp_path):
      "data.eval_source: no such file or directory: nope/test.jsonl"),
     (["--data.name=gsm9k"], "data.name: unknown dataset 'gsm9k' (did you mean 'gsm8k'?)"),
     (["--data.name=no_such_module:load"], "data.name: cannot load 'no_such_module:load' (ModuleNotFoundError"),
-    (["--rollout.rewards={'mth': 1.0}"], "rollout.rewards['mth']: unknown reward 'mth' (did you mean 'math'?)"),
+    (["--rollout.rewards={'mth': 1.0}"],
+     "rollout.rewards['mth']: unknown reward 'mth' (did you mean 'math'?)"),
     (["--rollout.rewards={'json:dumps': 'x'}"], "rollout.rewards['json:dumps']: the weight must be a number"),
     (["--rollout.rewards={'os:sep': 1.0}"], "rollout.rewards['os:sep']: 'os:sep' is a str, not a callable"),
     (["--rollout.rewards={'missing.py:R': 1.0}"], "cannot load 'missing.py:R' (FileNotFoundError"),

@@ -1,5 +1,6 @@
-"""tasks.py: the synthetic tasks are pure functions of their seed, correct, varied, and each split holds only its own
-questions (the code task's reference solutions pass their own tests: tests/test_sandbox.py, through the sandbox)."""
+"""tasks.py: the synthetic tasks are pure functions of their seed, correct, varied, and each split
+holds only its own questions (the code task's reference solutions pass their own tests:
+tests/test_sandbox.py, through the sandbox)."""
 import json
 import re
 
@@ -34,12 +35,15 @@ def test_make_arith_digits_and_splits():
         assert 10 <= x <= 99 and 10 <= y <= 99
     train = tasks.make_arith(3000, seed=0, min_digits=2, max_digits=2, split="train")
     assert len(train) == 3000 and not {r["question"] for r in evals} & {r["question"] for r in train}
-    # the same seed, any digits and set size: a test question never lands in train (the split is the text's)
+    # the same seed, any digits and set size: a test question never lands in train
+    # (the split is the text's)
     wide = tasks.make_arith(3000, seed=0, min_digits=1, max_digits=3, split="train")
     assert not {r["question"] for r in evals} & {r["question"] for r in wide}
     anyq = tasks.make_arith(16_000, seed=1)
-    share = {k: sum(tasks.split_of(r["question"]) == k for r in anyq) / len(anyq) for k in tasks.SPLITS}
-    for k, parts in tasks.SPLITS.items():  # each split's share of the questions drawn, within 4 standard errors
+    share = {k: sum(tasks.split_of(r["question"]) == k for r in anyq) / len(anyq)
+             for k in tasks.SPLITS}
+    # each split's share of the questions drawn, within 4 standard errors
+    for k, parts in tasks.SPLITS.items():
         p = parts / sum(tasks.SPLITS.values())
         assert abs(share[k] - p) < 4 * (p * (1 - p) / len(anyq)) ** 0.5, share
     with pytest.raises(ValueError, match="unknown split 'nope': one of test, dev, train"):

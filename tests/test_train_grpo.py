@@ -218,12 +218,15 @@ def test_colocated_staleness_one_trains_on_the_previous_weights_samples(tmp_path
     assert rows[0]["mismatch/abs_diff"] < 1e-5 < rows[1]["mismatch/abs_diff"]  # the policy moved in between
 
 
-def test_mismatch_and_drift_measure_the_policy_before_the_update_with_four_minibatches(tmp_path, start_ckpt):
-    """train.minibatches=4 takes four optimizer steps a batch. Mismatch compares the sampler with the policy before
-    the first of them (on-policy: the same weights, so ~0), not with minibatches scored after earlier steps; drift
-    sees the whole update. At this lr, scoring after earlier steps would read a mismatch of ~drift's size."""
-    run([f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch", "--train.steps=2",
-         "--train.minibatches=4", "--optim.lr=0.01", "--log.drift=true", "--eval.every=0", "--log.run=m"],
+def test_mismatch_and_drift_measure_the_policy_before_the_update_with_four_minibatches(
+        tmp_path, start_ckpt):
+    """train.minibatches=4 takes four optimizer steps a batch. Mismatch compares the sampler with
+    the policy before the first of them (on-policy: the same weights, so ~0), not with minibatches
+    scored after earlier steps; drift sees the whole update. At this lr, scoring after earlier steps
+    would read a mismatch of ~drift's size."""
+    run([f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch",
+         "--train.steps=2", "--train.minibatches=4", "--optim.lr=0.01", "--log.drift=true",
+         "--eval.every=0", "--log.run=m"],
         tmp_path, nproc=0)
     rows = [r for r in metrics(tmp_path / "m" / "metrics.jsonl") if "perf/step_s" in r]
     for r in rows:
