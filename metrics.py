@@ -29,8 +29,8 @@ def mismatch(train_logp, gen_logp, mask):
 
 def rollout_stats(r, correct, lengths, groups, batch, step, env):
     """A step's batch in numbers: rewards (B, G) and their accuracy part, response lengths (B, G),
-    the share cut at max_tokens, of groups with no signal, how stale the samples were, and with an
-    env (rollout.env) the episodes' ends."""
+    the share cut at max_tokens, of groups with no signal (and on which side), how stale the
+    samples were, and with an env (rollout.env) the episodes' ends."""
     return {"rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
             # rollout.accuracy's, whatever else is summed
             "rollout/accuracy": float((correct >= 1).float().mean()),
@@ -38,6 +38,10 @@ def rollout_stats(r, correct, lengths, groups, batch, step, env):
             "rollout/truncated_frac": float(sum(c.finish_reason == "length"
                                                 for cs in groups for c in cs) / lengths.numel()),
             "rollout/zero_std_frac": float(losses.zero_std_groups(r).float().mean()),
+            # the groups the accuracy part gives no signal, by side: every sample right (learned)
+            # or every sample wrong (out of reach at this temperature)
+            "rollout/all_right_frac": float((correct >= 1).all(1).float().mean()),
+            "rollout/all_wrong_frac": float((correct < 1).all(1).float().mean()),
             "rollout/staleness": float((step - batch["version"]).mean()),
             **(episodes.stats(groups) if env else {})}
 

@@ -59,3 +59,16 @@ def test_collect_in_one_process_starts_no_openmp_team_in_gloos_threads(tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.splitlines()[-1])
     assert r["same"] and r["after"] == r["before"], r
+
+
+def test_groups_without_signal_are_split_into_all_right_and_all_wrong():
+    """metrics.rollout_stats: the zero-std share, and on which side each such group fell."""
+    import torch
+    import metrics
+    correct = torch.tensor([[1., 1., 1.], [0., 0., 0.], [1., 0., 1.], [0., 0., 0.]])
+    r = correct + 0.0
+    groups = [[SimpleNamespace(finish_reason="stop")] * 3] * 4
+    row = metrics.rollout_stats(r, correct, torch.full((4, 3), 5.0), groups,
+                                {"version": torch.zeros(12)}, 0, None)
+    assert row["rollout/zero_std_frac"] == 0.75
+    assert (row["rollout/all_right_frac"], row["rollout/all_wrong_frac"]) == (0.25, 0.5)
