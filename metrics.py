@@ -149,12 +149,12 @@ class RunLog:
 
 @contextmanager
 def timed(perf, key):
-    """perf[key] = seconds spent in the block (the step-time breakdown, perf/*_s)."""
+    """perf[key] += seconds spent in the block (the step-time breakdown, perf/*_s)."""
     t0 = time.perf_counter()
     try:
         yield
     finally:
-        perf[key] = time.perf_counter() - t0
+        perf[key] = perf.get(key, 0.0) + time.perf_counter() - t0
 
 
 def finish_step(log, row, skipped, skipped_run, max_skipped, stat_keys, last):

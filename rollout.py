@@ -28,12 +28,15 @@ version old), without the overlap, so a loss's behaviour under staleness can be 
 process.
 
 DAPO's dynamic sampling (`rollout.filter_zero_std`) refills the batch: a group whose G rewards are
-all equal has zero advantage, so after each round rank 0 scores the round's groups, broadcasts which
-are informative (0 < std) to every rank, and the producers generate another round of B fresh
+all equal has zero advantage, so after each round every trainer scores its data-parallel slice of
+the round's groups, one all_gather gives every rank all the rewards and so which groups are
+informative (0 < std), and the producers generate another round of B fresh
 prompts, at most `rollout.refill_rounds` times, until B informative groups are collected (`refill`).
 Round k's prompts and sampling seeds are a pure function of (seed, step, k), so a resumed run
 redraws the same rounds. If the cap is reached first, zero-signal groups fill the remaining slots
-and the trainer masks them out (DAPO's filter without the refill is `refill_rounds = 0`).
+and the trainer masks them out (DAPO's filter without the refill is `refill_rounds = 0`). The
+trainers keep the rewards of the groups chosen: each group is scored once (a sandboxed code reward
+is the step's dearest part).
 
 Multi-turn (`rollout.env`): engine.build_generator wraps the engine in episodes.MultiTurn, and
 generate_share plays whole episodes where it would sample completions; everything above (sharing,
@@ -48,6 +51,7 @@ on-policy; the prompts are the same.
 """
 import time
 
+import torch
 import torch.distributed as tdist
 
 import data
@@ -55,6 +59,7 @@ import dist
 import episodes
 import generator
 import losses
+import metrics
 import rewards
 import seeds
 
@@ -130,23 +135,35 @@ def generate_step(gen, train, step, cfg, producer, num_producers, round_=0):
 
 
 def informative(groups, problems, scorer):
-    """(B,) bools, the same on every rank: rank 0 (a trainer) scores, every rank takes its
-    broadcast."""
-    flags = [None]
-    if tdist.get_rank() == 0:
-        flags = [(~losses.zero_std_groups(scorer(groups, problems))).tolist()]
-    tdist.broadcast_object_list(flags, src=0)
-    return flags[0]
+    """A round's rewards (B, G), their accuracy part, and which groups carry signal (0 < std), the
+    same on every rank; and this rank's own scores. Each trainer scores its data-parallel slice
+    (`scorer` -> (first index, rewards, correct, stats), returned as `mine`); one all_gather puts
+    the slices together (generator ranks, scorer None, send None)."""
+    mine = scorer(groups, problems) if scorer else None
+    shares = [mine]
+    if tdist.get_world_size() > 1:
+        shares = [None] * tdist.get_world_size()
+        tdist.all_gather_object(shares, mine)
+    r, correct = torch.zeros(len(groups), len(groups[0])), torch.zeros(len(groups), len(groups[0]))
+    for lo, r_i, correct_i, _ in filter(None, shares):  # tensor-parallel twins: the same slice
+        r[lo:lo + len(r_i)], correct[lo:lo + len(r_i)] = r_i, correct_i
+    return ~losses.zero_std_groups(r), r, correct, mine
 
 
 def refill(gen, train, step, problems, groups, cfg, producer, num_producers, scorer=None):
     """DAPO dynamic sampling: up to `rollout.refill_rounds` more rounds until B groups have 0 < std
-    (module docstring). Returns the batch, informative groups first in the order drawn, and what it
-    cost."""
+    (module docstring). Every group is scored once, as its round comes in. Returns the batch,
+    informative groups first in the order drawn; on a trainer its slice's rewards, their accuracy
+    part (B/dp, G) and reward stats over every round it scored (else None); and what it cost."""
     B, kept, spare, rounds, gen_s = cfg.rollout.prompts_per_step, [], [], 0, 0.0
+    rstats, perf = {}, {}
     while True:
-        for p, g, ok in zip(problems, groups, informative(groups, problems, scorer)):
-            (kept if ok else spare).append((p, g))
+        with metrics.timed(perf, "perf/reward_s"):
+            ok, r, correct, mine = informative(groups, problems, scorer)
+        for k, v in (mine[3] if mine else {}).items():  # means: averaged over the rounds below
+            rstats[k] = rstats.get(k, 0.0) + v
+        for i, p in enumerate(problems):
+            (kept if ok[i] else spare).append((p, groups[i], r[i], correct[i]))
         if len(kept) >= B or rounds == cfg.rollout.refill_rounds:
             break
         rounds += 1
@@ -155,26 +172,33 @@ def refill(gen, train, step, problems, groups, cfg, producer, num_producers, sco
                                           num_producers, rounds), B)
         gen_s += t
     chosen = (kept + spare)[:B]
+    scored = None
+    if mine:  # a trainer: its data-parallel slice of the chosen groups, as main() slices them
+        lo, hi = mine[0], mine[0] + len(mine[1])
+        scored = (torch.stack([c[2] for c in chosen])[lo:hi],
+                  torch.stack([c[3] for c in chosen])[lo:hi],
+                  {k: v / (rounds + 1) if k.endswith("_mean") else v for k, v in rstats.items()})
     stats = {"rollout/refill_rounds": float(rounds),
              "rollout/prompts_drawn": float(B * (rounds + 1)),
-             "rollout/informative_groups": float(min(len(kept), B))}
-    return [p for p, _ in chosen], [g for _, g in chosen], gen_s, stats
+             "rollout/informative_groups": float(min(len(kept), B)), **perf}
+    return [c[0] for c in chosen], [c[1] for c in chosen], scored, gen_s, stats
 
 
 def step_rollout(gen, train, step, cfg, producer, num_producers, local=None, scorer=None):
     """Step `step`'s batch on every rank: prompts, generation (or the share made one step ahead:
     `local`), collected in prompt order, refilled under dynamic sampling. Returns problems, groups,
-    gen_s, stats."""
+    this rank's scores when the refill made them already (refill; else None), gen_s, stats."""
     local = local or generate_step(gen, train, step, cfg, producer, num_producers)
     t0 = time.perf_counter()
     groups, gen_s = collect(local, cfg.rollout.prompts_per_step)
     problems, stats = round_problems(train, step, 0, cfg), {"perf/wait_s": time.perf_counter() - t0}
+    scored = None
     if cfg.rollout.filter_zero_std:
-        problems, groups, more_s, fill = refill(gen, train, step, problems, groups, cfg, producer,
-                                                num_producers, scorer)
+        problems, groups, scored, more_s, fill = refill(gen, train, step, problems, groups, cfg,
+                                                        producer, num_producers, scorer)
         gen_s += more_s
         stats.update(fill)
-    return problems, groups, gen_s, stats
+    return problems, groups, scored, gen_s, stats
 
 
 def collect(local, num_problems):

@@ -409,9 +409,10 @@ def main(argv=None):
     log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN,
                          logs=("metrics.jsonl", "prompts.jsonl"))
     num_failed_saves, pending = 0, None
+    lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
 
-    def scorer(groups, problems):  # DAPO's refill asks which groups carry signal (rollout.refill)
-        return rewards.score(groups, problems, reward_fns, weights, cfg, pool)[0]
+    def scorer(groups, problems):  # this rank's slice of B groups: (lo, rewards, correct, stats)
+        return lo, *rewards.score(groups[lo:hi], problems[lo:hi], reward_fns, weights, cfg, pool)
     if start == 0:
         ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
         log.step({"step": 0, **ev}, progress=False)
@@ -422,19 +423,18 @@ def main(argv=None):
         # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share
         # (or did, one step ahead), dedicated ones wait for the generators; DAPO's filter refills
         # the batch (rollout.py). Stale and colocated: batch s+1 is sampled now, before the update
-        problems, groups, perf["perf/gen_s"], fill = rollout.step_rollout(
+        problems, groups, scored, perf["perf/gen_s"], fill = rollout.step_rollout(
             gen, train, s, cfg, producer, num_producers, pending, scorer)
         pending = (rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers)
                    if plan.ahead else None)
         prompt_ids = [p["id"] for p in problems]  # to prompts.jsonl: which data each step saw
         perf.update(fill)
-        lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
-        problems, groups = problems[lo:hi], groups[lo:hi]
-        # 4c. rewards (B/dp, G): the weighted total, and the accuracy reward's part
+        # 4c. rewards (B/dp, G): the weighted total, and the accuracy reward's part (DAPO's refill
+        # scored each round as it came in)
         with metrics.timed(perf, "perf/reward_s"):
-            r, correct, rstats = rewards.score(groups, problems, reward_fns, weights, cfg, pool)
-            lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups],
-                                   dtype=torch.float32)
+            r, correct, rstats = scored or scorer(groups, problems)[1:]
+        problems, groups = problems[lo:hi], groups[lo:hi]
+        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float32)
         # 4d. the batch, ids (B/dp*G, P+R) and mask (B/dp*G, R); advantages (B/dp*G, 1) or
         # (B/dp*G, T); DAPO's filter zeroes the mask of groups without signal
         batch = packing.make_batch(problems, groups, tok.pad_token_id)
