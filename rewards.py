@@ -292,11 +292,11 @@ def reward_specs(entries, accuracy="math"):
     return specs
 
 
-def make_rewards(cfg):
+def make_rewards(ro):
     """({name: callable}, {name: weight}), each reward instantiated once, here (picklable for
     RewardPool)."""
     fns, weights = {}, {}
-    for name, factory, kwargs, weight in reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy):
+    for name, factory, kwargs, weight in reward_specs(ro.rewards, ro.accuracy):
         try:
             fns[name] = factory(**kwargs) if isinstance(factory, type) else \
                 functools.partial(factory, **kwargs) if kwargs else factory
@@ -309,9 +309,9 @@ def make_rewards(cfg):
     return fns, weights
 
 
-def score(groups, problems, reward_fns, weights, cfg, pool=None):
-    """Rewards (B, G) of this rank's groups: the weighted total, and the accuracy reward's part
-    (correctness)."""
+def score(groups, problems, reward_fns, weights, ro, pool=None):
+    """Rewards (B, G) of this rank's groups under the rollout section `ro`: the weighted total, the
+    accuracy reward's part (correctness), and the reward stats."""
     prompts, responses, targets, ends = [], [], [], []
     for p, comps in zip(problems, groups):
         for c in comps:
@@ -320,12 +320,12 @@ def score(groups, problems, reward_fns, weights, cfg, pool=None):
             responses.append(c.text)
             targets.append(c.metadata.get("target") or str(p["target"]))
             ends.append((c.metadata.get("end"), c.metadata.get("env_reward")))
-    acc = cfg.rollout.accuracy
+    acc = ro.accuracy
     total, stats, parts = score_batch(reward_fns, weights, prompts, responses, targets,
-                                      timeout_s=cfg.rollout.reward_timeout_s, pool=pool,
+                                      timeout_s=ro.reward_timeout_s, pool=pool,
                                       per_reward=True)
     # an episode scores the env's reward plus the rewards on its last reply; an env error 0
-    if cfg.rollout.env:
+    if ro.env:
         total = [0.0 if end == "error" else t + (env_r or 0.0)
                  for t, (end, env_r) in zip(total, ends)]
         parts[acc] = [0.0 if end == "error" else m for m, (end, _) in zip(parts[acc], ends)]

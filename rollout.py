@@ -111,27 +111,27 @@ def generate_share(gen, problems, producer, num_producers, **sampled):
     return {"idx": mine, "completions": out, "gen_s": time.perf_counter() - t0}
 
 
-def sample_seed(cfg, step, round_=0):
+def sample_seed(seed, step, round_=0):
     """Sampling seed of step `step`'s generation round `round_` (0: the batch itself, k >= 1: DAPO
     refills)."""
-    return seeds.seed(cfg.train.seed, "sample", step, round_)
+    return seeds.seed(seed, "sample", step, round_)
 
 
-def round_problems(train, step, round_, cfg):
+def round_problems(train, step, round_, ro, seed):
     """Step `step`'s prompts (round 0), or its k-th refill round's: B prompts from a stream of their
     own."""
-    return data.step_batch(train, step, cfg.rollout.prompts_per_step, cfg.train.seed,
+    return data.step_batch(train, step, ro.prompts_per_step, seed,
                            "order" if round_ == 0 else f"refill_{round_}")
 
 
-def generate_step(gen, train, step, cfg, producer, num_producers, round_=0):
+def generate_step(gen, train, step, ro, seed, producer, num_producers, round_=0):
     """This producer's share of step `step`'s batch (None on a rank without a generator)."""
     if gen is None:
         return None
     dist.fault("kill_gen", step)  # test hook: SIGKILL this rank as it starts generating step s
-    ro, seed = cfg.rollout, sample_seed(cfg, step, round_)
-    return generate_share(gen, round_problems(train, step, round_, cfg), producer, num_producers,
-                          **sampling(ro, ro.group_size, ro.temperature, seed))
+    return generate_share(gen, round_problems(train, step, round_, ro, seed), producer,
+                          num_producers, **sampling(ro, ro.group_size, ro.temperature,
+                                                    sample_seed(seed, step, round_)))
 
 
 def informative(groups, problems, scorer):
@@ -150,12 +150,12 @@ def informative(groups, problems, scorer):
     return ~losses.zero_std_groups(r), r, correct, mine
 
 
-def refill(gen, train, step, problems, groups, cfg, producer, num_producers, scorer=None):
+def refill(gen, train, step, problems, groups, ro, seed, producer, num_producers, scorer=None):
     """DAPO dynamic sampling: up to `rollout.refill_rounds` more rounds until B groups have 0 < std
     (module docstring). Every group is scored once, as its round comes in. Returns the batch,
     informative groups first in the order drawn; on a trainer its slice's rewards, their accuracy
     part (B/dp, G) and reward stats over every round it scored (else None); and what it cost."""
-    B, kept, spare, rounds, gen_s = cfg.rollout.prompts_per_step, [], [], 0, 0.0
+    B, kept, spare, rounds, gen_s = ro.prompts_per_step, [], [], 0, 0.0
     rstats, perf = {}, {}
     while True:
         with metrics.timed(perf, "perf/reward_s"):
@@ -164,12 +164,12 @@ def refill(gen, train, step, problems, groups, cfg, producer, num_producers, sco
             rstats[k] = rstats.get(k, 0.0) + v
         for i, p in enumerate(problems):
             (kept if ok[i] else spare).append((p, groups[i], r[i], correct[i]))
-        if len(kept) >= B or rounds == cfg.rollout.refill_rounds:
+        if len(kept) >= B or rounds == ro.refill_rounds:
             break
         rounds += 1
-        problems = round_problems(train, step, rounds, cfg)
-        groups, t = collect(generate_step(gen, train, step, cfg, producer,
-                                          num_producers, rounds), B)
+        problems = round_problems(train, step, rounds, ro, seed)
+        groups, t = collect(generate_step(gen, train, step, ro, seed, producer, num_producers,
+                                          rounds), B)
         gen_s += t
     chosen = (kept + spare)[:B]
     scored = None
@@ -184,18 +184,19 @@ def refill(gen, train, step, problems, groups, cfg, producer, num_producers, sco
     return [c[0] for c in chosen], [c[1] for c in chosen], scored, gen_s, stats
 
 
-def step_rollout(gen, train, step, cfg, producer, num_producers, local=None, scorer=None):
+def step_rollout(gen, train, step, ro, seed, producer, num_producers, local=None, scorer=None):
     """Step `step`'s batch on every rank: prompts, generation (or the share made one step ahead:
     `local`), collected in prompt order, refilled under dynamic sampling. Returns problems, groups,
     this rank's scores when the refill made them already (refill; else None), gen_s, stats."""
-    local = local or generate_step(gen, train, step, cfg, producer, num_producers)
+    local = local or generate_step(gen, train, step, ro, seed, producer, num_producers)
     t0 = time.perf_counter()
-    groups, gen_s = collect(local, cfg.rollout.prompts_per_step)
-    problems, stats = round_problems(train, step, 0, cfg), {"perf/wait_s": time.perf_counter() - t0}
+    groups, gen_s = collect(local, ro.prompts_per_step)
+    problems = round_problems(train, step, 0, ro, seed)
+    stats = {"perf/wait_s": time.perf_counter() - t0}
     scored = None
-    if cfg.rollout.filter_zero_std:
-        problems, groups, scored, more_s, fill = refill(gen, train, step, problems, groups, cfg,
-                                                        producer, num_producers, scorer)
+    if ro.filter_zero_std:
+        problems, groups, scored, more_s, fill = refill(gen, train, step, problems, groups, ro,
+                                                        seed, producer, num_producers, scorer)
         gen_s += more_s
         stats.update(fill)
     return problems, groups, scored, gen_s, stats
@@ -219,26 +220,27 @@ def collect(local, num_problems):
     return groups, gen_s
 
 
-def evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, step, is_trainer=True):
-    """Greedy pass@1 (and pass@k) on the held-out set; generation shared by all producers."""
+def evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns, step,
+             is_trainer=True):
+    """Greedy pass@1, and pass@k with k > 0 (eval.pass_k), on the held-out set; generation shared
+    by all producers."""
     local = None
     if gen is not None:
-        ro, k = cfg.rollout, cfg.eval.pass_k
         local = generate_share(gen, held_out, producer, num_producers,
-                               **sampling(ro, 1, 0.0, seeds.seed(cfg.train.seed, "eval", step)))
+                               **sampling(ro, 1, 0.0, seeds.seed(seed, "eval", step)))
         if k:
-            pass_k = seeds.seed(cfg.train.seed, "pass_k", step)
             local["k"] = generate_share(gen, held_out, producer, num_producers,
-                                        **sampling(ro, k, ro.temperature, pass_k))["completions"]
+                                        **sampling(ro, k, ro.temperature,
+                                                   seeds.seed(seed, "pass_k", step)))["completions"]
     greedy, _ = collect(local, len(held_out))
-    if cfg.eval.pass_k:  # a second collective: generators must take part before they return
+    if k:  # a second collective: generators must take part before they return
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
     if not is_trainer:
         return None
-    acc_only = {cfg.rollout.accuracy: reward_fns[cfg.rollout.accuracy]}
-    _, r, _ = rewards.score(greedy, held_out, acc_only, None, cfg)
+    acc_only = {ro.accuracy: reward_fns[ro.accuracy]}
+    _, r, _ = rewards.score(greedy, held_out, acc_only, None, ro)
     out = {"eval/pass@1": float((r >= 1).float().mean())}
-    if cfg.eval.pass_k:
-        _, rk, _ = rewards.score(sampled, held_out, acc_only, None, cfg)
-        out[f"eval/pass@{cfg.eval.pass_k}"] = float((rk >= 1).any(dim=1).float().mean())
+    if k:
+        _, rk, _ = rewards.score(sampled, held_out, acc_only, None, ro)
+        out[f"eval/pass@{k}"] = float((rk >= 1).any(dim=1).float().mean())
     return out

@@ -365,7 +365,8 @@ def main(argv=None):
     torch.manual_seed(cfg.train.seed)
     torch.use_deterministic_algorithms(cfg.train.deterministic)
     out = Path(cfg.log.out_dir, cfg.log.run)
-    B, G, temp = cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.temperature
+    ro, seed = cfg.rollout, cfg.train.seed
+    B, G, temp = ro.prompts_per_step, ro.group_size, ro.temperature
 
     # ---- 2. dist init: a vLLM engine must exist before this process joins the world -------------
     tok = data.Tokenizer(path)
@@ -380,9 +381,9 @@ def main(argv=None):
     dist.agree("model.dtype", cfg.model.dtype)  # every rank measured its own "auto"
     mesh = dist.trainer_mesh(roles, len(roles.trainer_ranks) // cfg.dist.tp, cfg.dist.tp)
     group = weight_sync.sync_group(roles)
-    reward_fns, weights = rewards.make_rewards(cfg)
-    pool = reward_guard.RewardPool(reward_fns, workers=cfg.rollout.reward_workers) \
-        if cfg.rollout.reward_workers and roles.is_trainer else None
+    reward_fns, weights = rewards.make_rewards(ro)
+    pool = reward_guard.RewardPool(reward_fns, workers=ro.reward_workers) \
+        if ro.reward_workers and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
     # a dedicated generator rank: generator_loop, below main, is its whole life
     if roles.is_generator:
@@ -412,9 +413,10 @@ def main(argv=None):
     lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
 
     def scorer(groups, problems):  # this rank's slice of B groups: (lo, rewards, correct, stats)
-        return lo, *rewards.score(groups[lo:hi], problems[lo:hi], reward_fns, weights, cfg, pool)
+        return lo, *rewards.score(groups[lo:hi], problems[lo:hi], reward_fns, weights, ro, pool)
     if start == 0:
-        ev = rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0)
+        ev = rollout.evaluate(gen, held_out, producer, num_producers, ro, cfg.eval.pass_k, seed,
+                              reward_fns, 0)
         log.step({"step": 0, **ev}, progress=False)
 
     # ---- 4. the loop: generator_loop (below) issues the same collectives, in the same order ------
@@ -424,8 +426,8 @@ def main(argv=None):
         # (or did, one step ahead), dedicated ones wait for the generators; DAPO's filter refills
         # the batch (rollout.py). Stale and colocated: batch s+1 is sampled now, before the update
         problems, groups, scored, perf["perf/gen_s"], fill = rollout.step_rollout(
-            gen, train, s, cfg, producer, num_producers, pending, scorer)
-        pending = (rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers)
+            gen, train, s, ro, seed, producer, num_producers, pending, scorer)
+        pending = (rollout.generate_step(gen, train, s + 1, ro, seed, producer, num_producers)
                    if plan.ahead else None)
         prompt_ids = [p["id"] for p in problems]  # to prompts.jsonl: which data each step saw
         perf.update(fill)
@@ -440,7 +442,7 @@ def main(argv=None):
         batch = packing.make_batch(problems, groups, tok.pad_token_id)
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})
         adv = advantages(r, batch, lengths, cfg)
-        if cfg.rollout.filter_zero_std:
+        if ro.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         # 4e. reference and old logprobs (no grad), only when the loss needs them. pi_old: the
         # sampler's logprobs when stale; on-policy with one optimizer step, sg(logp) inside the
@@ -450,7 +452,7 @@ def main(argv=None):
             ref_logp = (packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp)
                         if ref is not None else None)
         with metrics.timed(perf, "perf/old_s"):
-            stale, tr = cfg.rollout.max_staleness > 0, cfg.train
+            stale, tr = ro.max_staleness > 0, cfg.train
             pre_logp = (packing.no_grad_logp(model, batch, tr.micro_batch, temp)
                         if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None)
             old_logp = batch["gen_logp"] if stale else pre_logp
@@ -480,13 +482,13 @@ def main(argv=None):
                    else "data/truncated_prompts")
         row = metrics.dp_mean({
             **m, **rstats, **sync, **perf,
-            **metrics.rollout_stats(r, correct, lengths, groups, batch, s, cfg.rollout.env),
+            **metrics.rollout_stats(r, correct, lengths, groups, batch, s, ro.env),
             "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
             dropped: float(num_dropped)}, mesh["dp_shard"].get_group(), dp)
         if plan.eval:
             with metrics.timed(row, "perf/eval_s"):
-                row.update(rollout.evaluate(gen, held_out, producer, num_producers, cfg,
-                                            reward_fns, s + 1))
+                row.update(rollout.evaluate(gen, held_out, producer, num_producers, ro,
+                                            cfg.eval.pass_k, seed, reward_fns, s + 1))
         abort = skipped_run >= cfg.train.max_skipped_steps
         if plan.ckpt and not abort:  # not on a step that aborts the run
             num_failed_saves += run.save_checkpoint(out, s + 1, model, opt, sched,
@@ -509,26 +511,27 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
     """A dedicated generator rank: main()'s collectives, in main()'s order, with generation between.
     A collective added to one loop and not the other hangs the run until dist.timeout_s."""
     producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
+    ro, seed, k = cfg.rollout, cfg.train.seed, cfg.eval.pass_k
     if start > 0:  # resumed: take the restored weights before generating anything (main: restore)
         weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
                                       receiver(gen, start))
     if start == 0:  # main: the step-0 eval
-        rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, 0,
+        rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns, 0,
                          is_trainer=False)
     pending = None
     for s in range(start, cfg.train.steps):
         plan = schedule(s, cfg)
-        rollout.step_rollout(gen, train, s, cfg, producer, num_producers, pending)  # main: 4a-b
+        rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers, pending)  # 4a-b
         # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s's
         # refill rounds
-        pending = (rollout.generate_step(gen, train, s + 1, cfg, producer, num_producers)
+        pending = (rollout.generate_step(gen, train, s + 1, ro, seed, producer, num_producers)
                    if plan.ahead else None)
         if plan.sync:  # main: 4g
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
                                           receiver(gen, s + 1))
         if plan.eval:  # main: 4h
-            rollout.evaluate(gen, held_out, producer, num_producers, cfg, reward_fns, s + 1,
-                             is_trainer=False)
+            rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns,
+                             s + 1, is_trainer=False)
     print(f"generator rank {roles.rank}: done, weight version {gen.version} after "
           f"{cfg.train.steps} steps", flush=True)
 

@@ -24,7 +24,7 @@ def test_no_request_seed_repeats_over_steps_rounds_turns_and_requests(monkeypatc
     seen = set()
     for s in range(steps):
         for r in range(rounds):
-            batch = rollout.sample_seed(cfg, s, r)
+            batch = rollout.sample_seed(cfg.train.seed, s, r)
             for t in range(turns):
                 call = episodes.turn_seed(batch, t)
                 seen.update(generator.request_seed(call, k) for k in range(requests))
