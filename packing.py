@@ -85,11 +85,11 @@ def first_fit(lengths, capacity, decreasing=False):
 
 
 def packed_mask(doc, rows, prompt_mask):
-    """doc (B, T): which completion each packed token is (-1 = padding); rows: each completion's
-    prompt; prompt_mask (U, Pp) -> (B, 1, T, U*Pp + T) bool: a token sees its own prompt's real
-    tokens, then its own completion causally. A padding token sees itself only (never nothing: NaN);
-    its output is unused."""
-    (B, T), (U, Pp), dev = doc.shape, prompt_mask.shape, doc.device
+    """doc (K, T), K packed rows (bins): which completion each packed token is (-1 = padding);
+    rows: each completion's prompt; prompt_mask (U, Pp) -> (K, 1, T, U*Pp + T) bool: a token sees
+    its own prompt's real tokens, then its own completion causally. A padding token sees itself
+    only (never nothing: NaN); its output is unused."""
+    (K, T), (U, Pp), dev = doc.shape, prompt_mask.shape, doc.device
     own = torch.where(doc >= 0, rows[doc.clamp(min=0)], -1)  # each token's prompt; -1 = padding
     prompt_of_key = torch.arange(U, device=dev).repeat_interleave(Pp)
     see_prompt = (own[:, :, None] == prompt_of_key) & prompt_mask.reshape(1, 1, -1).bool()
@@ -118,14 +118,14 @@ def response_logp(model, batch, rows, temperature, entropy=False, packed=None, s
     x, y = ids[:, P - 1:P - 1 + T], ids[:, P:P + T]  # inputs and targets of the padded rows
     lengths = L.tolist()
     bins = first_fit(lengths, T, decreasing=True)
-    U, B = len(uniq), len(bins)
+    U, K = len(uniq), len(bins)
     padded_cost = forward_flops(model.cfg, U * Pp + b * T, U * Pp * Pp + b * T * (Pp + T), b * T)
-    packed_cost = forward_flops(model.cfg, U * Pp + B * T, U * Pp * Pp + B * T * (U * Pp + T),
-                                B * T)
+    packed_cost = forward_flops(model.cfg, U * Pp + K * T, U * Pp * Pp + K * T * (U * Pp + T),
+                                K * T)
     # packing needs a prefix
     packed = (packed_cost < padded_cost if packed is None else packed) and Pp > 0
     if stats is not None:
-        for k, v in (("tokens", U * Pp + (B if packed else b) * T),
+        for k, v in (("tokens", U * Pp + (K if packed else b) * T),
                      ("real_tokens", int(p_mask.sum()) + int(L.sum())),
                      ("flops", packed_cost if packed else padded_cost)):
             stats[k] = stats.get(k, 0) + v
@@ -139,8 +139,8 @@ def response_logp(model, batch, rows, temperature, entropy=False, packed=None, s
             return torch.nn.functional.pad(torch.where(real, o, 0.0), (0, R - T))
         return tuple(map(unpad, out)) if entropy else unpad(out)
     # which row each packed token comes from; -1 = padding
-    doc = torch.full((B, T), -1, dtype=torch.long)
-    col = torch.zeros((B, T), dtype=torch.long)  # and its column there
+    doc = torch.full((K, T), -1, dtype=torch.long)
+    col = torch.zeros((K, T), dtype=torch.long)  # and its column there
     for r, members in enumerate(bins):
         start = 0
         for i in members:
@@ -156,7 +156,7 @@ def response_logp(model, batch, rows, temperature, entropy=False, packed=None, s
                 temperature=temperature, return_entropy=entropy,
                 prefix=(p_ids, p_mask, None, packed_mask(doc, inv, p_mask)))
 
-    def unpack(o):  # (B, T) packed -> (b, R) padded, through autograd
+    def unpack(o):  # (K, T) packed -> (b, R) padded, through autograd
         return o.new_zeros(b, R).index_put((doc[real], col[real]), o[real])
     return tuple(map(unpack, out)) if entropy else unpack(out)
 

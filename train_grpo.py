@@ -270,18 +270,19 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
                 mb_adv = at(adv).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
-                mb_adv, tis_m = truncated_is(mb_adv, logp, at(old_logp), at(batch["gen_logp"]),
+                mb_adv, tis_stats = truncated_is(mb_adv, logp, at(old_logp), at(batch["gen_logp"]),
                                              mask, cfg.loss.tis_cap)
-                loss, m = loss_fn(logp, at(ref_logp), mb_adv, mask, old_logprobs=at(old_logp))
+                loss, stats = loss_fn(logp, at(ref_logp), mb_adv, mask,
+                                      old_logprobs=at(old_logp))
                 # test hook: this step's loss is NaN (tests/test_faults.py)
                 loss = dist.fault_nan(loss, step)
-                m["loss/entropy"] = losses.masked_mean(ent.detach(), mask)
-                m.update(tis_m)
+                stats["loss/entropy"] = losses.masked_mean(ent.detach(), mask)
+                stats.update(tis_stats)
                 if cfg.loss.entropy_coef:
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
                 (loss * len(rows) / len(mb_rows)).backward()
-                m["loss/total"] = loss.detach()
-                accumulate(sums, m, len(rows) / n)
+                stats["loss/total"] = loss.detach()
+                accumulate(sums, stats, len(rows) / n)
             # global norm over FSDP/TP shards
             gnorm = dist.clip_grad_norm_(model, cfg.optim.grad_clip)
             # test hook: SIGKILL with gradients computed, before the step
@@ -311,10 +312,10 @@ def truncated_is(adv, logp, old_logp, gen_logp, mask, cap):
         "loss/tis_weight_mean": losses.masked_mean(w, mask)}
 
 
-def accumulate(sums, m, w):
-    """sums[k] += w * m[k], kept as tensors: no host sync per micro-batch (one float() per metric a
-    step)."""
-    for k, v in m.items():
+def accumulate(sums, stats, w):
+    """sums[k] += w * stats[k], kept as tensors: no host sync per micro-batch (one float() per
+    metric a step)."""
+    for k, v in stats.items():
         sums[k] = sums.get(k, 0.0) + v.detach() * w
 
 
@@ -460,13 +461,14 @@ def main(argv=None):
         with metrics.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: the engine's memory freed (CPU: none)
                 gen.sleep(keep_weights=not plan.sync)  # new weights follow: no need to keep the old
-            m, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
+            stats, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
                                             ref_logp if kl_in_loss else None, old_logp, cfg,
                                             roles.device, s)
         train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # before this update
-        perf["perf/update_gflops"] = m["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
-        m.update(metrics.drift(model, batch, train_logp, ref_logp, cfg) if cfg.log.drift else {})
-        m.update(metrics.mismatch(train_logp, batch["gen_logp"], batch["mask"]))
+        perf["perf/update_gflops"] = stats["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
+        if cfg.log.drift:
+            stats.update(metrics.drift(model, batch, train_logp, ref_logp, cfg))
+        stats.update(metrics.mismatch(train_logp, batch["gen_logp"], batch["mask"]))
         skipped_total += skipped
         skipped_run = skipped_run + 1 if skipped else 0  # the run aborts after logging, see 4h
         # 4g. weight sync: trainer rank 0 -> generators (colocated: into this rank's engine)
@@ -481,7 +483,7 @@ def main(argv=None):
         dropped = ("data/dropped_prompts" if cfg.data.long_prompts == "drop"
                    else "data/truncated_prompts")
         row = metrics.dp_mean({
-            **m, **rstats, **sync, **perf,
+            **stats, **rstats, **sync, **perf,
             **metrics.rollout_stats(r, correct, lengths, groups, batch, s, ro.env),
             "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
             dropped: float(num_dropped)}, mesh["dp_shard"].get_group(), dp)
