@@ -73,11 +73,21 @@ def run_cell(path, seed, cell_dir, extra, threads, sft_from=None):
     return time.perf_counter() - t0, rc
 
 
+def kind(problem):
+    """A problem's type from its worked solution: "+" or "-", and whether a column carries (a sum
+    whose units add to 10 or more) or borrows (a difference whose units digit is the smaller)."""
+    a, op, b = problem["solution"].split("=")[0].split()
+    a, b = int(a), int(b)
+    return f"{op} carry" if (op == "+" and a % 10 + b % 10 >= 10) or (op == "-" and a % 10 < b % 10) \
+        else f"{op} no carry"
+
+
 def calibration(hf_dir, seed, n=8, bins=10):
-    """The SFT export as GRPO meets it, on GRPO's own 500 held-out problems: greedy accuracy; how well its confidence
-    in its greedy answer (the completion's probability) predicts being right (ECE over `bins` equal-width bins, and
-    mean confidence against accuracy); and at temperature 1 with n samples, the mean reward and the share of
-    problems whose n samples all agree (no GRPO signal)."""
+    """The SFT export as GRPO meets it, on GRPO's own 500 held-out problems: greedy accuracy, overall
+    and per problem type (kind); how well its confidence in its greedy answer (the completion's
+    probability) predicts being right (ECE over `bins` equal-width bins, and mean confidence against
+    accuracy); and at temperature 1 with n samples (a GRPO group), the mean reward and the share of
+    problems whose n samples all agree (no GRPO signal), split into all right and all wrong."""
     import torch
     sys.path.insert(0, str(demo.ROOT))
     import data
@@ -100,8 +110,15 @@ def calibration(hf_dir, seed, n=8, bins=10):
               for b in range(bins) if (which == b).any()) / len(ok)
     sampled = gen.generate(prompts, n=n, temperature=1.0, max_tokens=40, seed=1)
     r = torch.tensor([[float(right(c, p)) for c in cs] for cs, p in zip(sampled, problems)])
+    kinds = [kind(p) for p in problems]
+    by_kind = {k: {"share": round(kinds.count(k) / len(kinds), 3),
+                   "greedy": round(float(ok[[i for i, x in enumerate(kinds) if x == k]].mean()), 3),
+                   "sampled": round(float(r[[i for i, x in enumerate(kinds) if x == k]].mean()), 3)}
+               for k in sorted(set(kinds))}
     return {"greedy_accuracy": float(ok.mean()), "confidence_mean": float(conf.mean()), "ece": ece,
-            "sampled_reward": float(r.mean()), "all_same_frac": float(((r.sum(1) == 0) | (r.sum(1) == n)).float().mean())}
+            "sampled_reward": float(r.mean()), "all_same_frac": float(((r.sum(1) == 0) | (r.sum(1) == n)).float().mean()),
+            "all_right_frac": float((r.sum(1) == n).float().mean()),
+            "all_wrong_frac": float((r.sum(1) == 0).float().mean()), "by_kind": by_kind}
 
 
 def probe(path, cell_dir, steps):
@@ -144,6 +161,10 @@ def summarize(path, seed, cell_dir, seconds, rc):
                 reward_first10=statistics.mean(r["rollout/reward_mean"] for r in grpo[:10]),
                 reward_last10=statistics.mean(r["rollout/reward_mean"] for r in grpo[-10:]),
                 sft_seconds=s["sft_seconds"], grpo_seconds=s["grpo_seconds"])
+    # the groups without signal over the whole GRPO phase, by side (logged since the seed change)
+    for k in ("zero_std_frac", "all_right_frac", "all_wrong_frac"):
+        if f"rollout/{k}" in grpo[0]:
+            cell[f"{k}_mean"] = statistics.mean(r[f"rollout/{k}"] for r in grpo)
     cell["holds"] = demo.holds(cell["gain"], cell["worst_dip"])
     return cell
 
@@ -185,6 +206,8 @@ def main(argv=None):
                     "overrides), so a GRPO recipe is measured from the same starts in half the time")
     ap.add_argument("--analyze", type=int, default=0, metavar="N", help="for every finished cell: its SFT export's "
                     "calibration, and the first N GRPO steps again with log.drift (how big each update was)")
+    ap.add_argument("--calibrate", action="store_true", help="for every finished cell: its SFT export's calibration "
+                    "only (accuracy per problem type, groups of 8 all right or all wrong; no GRPO rerun)")
     args, extra = ap.parse_known_args(argv)
     sft_extra, _ = demo.split_overrides(extra)  # --sft.* / --grpo.* only; fails on anything else
     sft_from = Path(args.out_dir, args.sft_from) if args.sft_from else None
@@ -223,11 +246,13 @@ def main(argv=None):
                   f"{cell['start_accuracy']:.3f} -> {cell['final_accuracy']:.3f} ({cell['gain']:+.3f}, "
                   f"dip {cell['worst_dip']:+.3f}) in {cell['seconds']:.0f} s"), flush=True)
     cells = [c for c in results["cells"] if tuple(c["overrides"]) == tuple(extra)]
-    for c in cells if args.analyze else ():
+    for c in cells if args.analyze or args.calibrate else ():
         cell_dir = out / f"{c['path']}_s{c['seed']}"
         c["sft_calibration"] = calibration(cell_dir / "demo" / "sft" / "hf", c["seed"])
-        c["probe"] = probe(c["path"], cell_dir, args.analyze)
-        print(c["path"], c["seed"], c["sft_calibration"], {k: v[:4] for k, v in c["probe"].items()}, flush=True)
+        print(c["path"], c["seed"], c["sft_calibration"], flush=True)
+        if args.analyze:
+            c["probe"] = probe(c["path"], cell_dir, args.analyze)
+            print(c["path"], c["seed"], {k: v[:4] for k, v in c["probe"].items()}, flush=True)
         res_path.write_text(json.dumps(results, indent=1) + "\n")
     print("\n" + table(cells))
     return cells
