@@ -10,13 +10,21 @@ an AVX-512 one, and a test that looked only at the training reward passed on bot
 
 What must hold on each path, measured on 500 held-out problems (greedy, GRPO's own evaluate()):
 - no eval falls more than MAX_DIP below GRPO's start (the collapse starts as a dip in the first tens of steps);
-- the final eval is at least MIN_GAIN above the start, and the training reward rises;
+- the final eval is at least MIN_GAIN above the start, and the training reward rises by at least MIN_RISE (a
+  stall, not only a collapse, fails: see below);
 - no single update moves the policy by more than MAX_STEP_KL nats per token (log.drift's KL(pi_old || pi_new) on
   the batch), nor more than MAX_MOVED of the batch's tokens past PPO's [0.8, 1.2]. This is the collapse's cause
   measured directly (docs/demo.md): this short run is easier than the demo and recovers where the demo does not,
   so the outcome checks alone passed the old recipe (lr 3e-4 from step 1, no warm-up) on both paths (gains +0.13
   and +0.16, no dip) while its updates measured KL 0.035 and 0.063 and 9-10% of tokens moved. The recipe as
   shipped: 0.0021 and 0.0020, at most 2.5% moved; gains +0.38 (native, AVX-512) and +0.32 (AVX2), no dip.
+
+After the seed function (2026-12-06, docs/demo.md#ci-catches-it), the same run: held-out 0.600 -> 0.796 (+0.196,
+native) and 0.602 -> 0.828 (+0.226, AVX2), training reward (mean of the first and last 20 steps) +0.125 and +0.105,
+largest update 0.0044 and 0.0012 nats, at most 1.6% moved. The stall thresholds are about half of that: MIN_GAIN
+(+0.10, the demo's own bar) and MIN_RISE (+0.05). They cannot flake: each path's run is bit-identical from run to
+run (one thread, fixed seeds), so they move only when the code or the recipe does, and a halved gain is a learning
+regression, not noise.
 """
 import json
 import os
@@ -33,7 +41,7 @@ from demo_seeds import PATHS  # noqa: E402  (the two numeric paths, as the seed 
 
 pytestmark = pytest.mark.slow
 
-SFT_STEPS, GRPO_STEPS, MAX_STEP_KL, MAX_MOVED = 150, 80, 0.01, 0.05
+SFT_STEPS, GRPO_STEPS, MAX_STEP_KL, MAX_MOVED, MIN_RISE = 150, 80, 0.01, 0.05, 0.05
 SHORT = [
     # SFT: single-digit problems only, a fixed step count (no accuracy stop), eval only at start and end
     "--sft.data.min_digits=1", "--sft.data.max_digits=1", "--sft.data.eval_min_digits=1",
@@ -68,7 +76,7 @@ def check_learns(out):
     assert first > 0.02, figures  # the start model answers some problems: there is signal to learn from
     assert min(evals) >= evals[0] - MAX_DIP, figures
     assert evals[-1] >= evals[0] + MIN_GAIN, figures
-    assert last > first, figures
+    assert last >= first + MIN_RISE, figures  # a stall: the reward hardly rises
     assert figures["max_step_kl"] <= MAX_STEP_KL and figures["max_moved"] <= MAX_MOVED, figures
     return figures
 
