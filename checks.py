@@ -24,7 +24,9 @@ import torch
 
 import checkpoint
 import config
+import data
 import dist
+import engine
 import episodes
 import losses
 import rewards
@@ -109,6 +111,8 @@ def grpo(cfg, world_size):
         ("loss.adv_eps", c.loss.adv_eps > 0, "> 0"),
         ("loss.tis_cap", c.loss.tis_cap >= 0, ">= 0 (0 = off)"),
         ("loss.entropy_coef", c.loss.entropy_coef >= 0, ">= 0"),
+        ("distill.coef", c.distill.coef > 0, "> 0"),
+        ("distill.reward_weight", c.distill.reward_weight >= 0, ">= 0 (0 = pure distillation)"),
         ("train.ppo_epochs", c.train.ppo_epochs >= 1, ">= 1"),
         ("train.minibatches", c.train.minibatches >= 1, ">= 1"),
         ("dist.tp", c.dist.tp >= 1, ">= 1"),
@@ -141,9 +145,15 @@ def grpo(cfg, world_size):
               "nothing corrects for the stale policy; use 'grpo' for off-policy or multi-update "
               "training", file=sys.stderr)
     config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
-    if cfg.loss.adv in ("grpo", "dr_grpo", "rloo") and cfg.rollout.group_size < 2:
-        raise err(f"rollout.group_size={cfg.rollout.group_size}: group advantages need at least 2 "
+    # pure distillation has no group baseline: one sample per prompt is enough
+    grouped = not cfg.distill.teacher or cfg.distill.reward_weight > 0
+    needs_group = ("group advantages" if grouped and cfg.loss.adv in ("grpo", "dr_grpo", "rloo")
+                   else "rollout.filter_zero_std" if cfg.rollout.filter_zero_std else None)
+    if cfg.rollout.group_size < 2 and needs_group:
+        raise err(f"rollout.group_size={cfg.rollout.group_size}: {needs_group} need at least 2 "
                   "samples")
+    if cfg.distill.teacher:
+        check_model_path(cfg.distill.teacher, "distill.teacher")
     if not 0 <= cfg.dist.generator_ranks < world_size:
         raise err(f"dist.generator_ranks={cfg.dist.generator_ranks} must be < world size "
                   f"{world_size} (at least one trainer rank)")
@@ -249,6 +259,24 @@ def check_logging(log):
         # wandb.init would fail only after the model is loaded
         raise config.ConfigError("log.wandb=True: no W&B API key (run `wandb login` or set "
                                  "WANDB_API_KEY), or set WANDB_MODE=offline to log to files only")
+
+
+def same_vocab(student, teacher):
+    """Distillation scores the student's token ids under the teacher (model.path, distill.teacher:
+    resolved checkpoint directories): both tokenizers must map every token to the same id, and the
+    teacher's embedding must cover them."""
+    a = data.Tokenizer(student).tok.get_vocab(with_added_tokens=True)
+    b = data.Tokenizer(teacher).tok.get_vocab(with_added_tokens=True)
+    if a != b:
+        differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        raise config.ConfigError(
+            f"distill.teacher ({teacher}) has another tokenizer than model.path ({student}): "
+            f"{len(differ)} of {len(a | b)} tokens map to other ids (e.g. {differ[0]!r}: "
+            f"{a.get(differ[0])} against {b.get(differ[0])}); the teacher scores the student's "
+            "token ids, so both need one vocabulary")
+    if (rows := engine.hf_config(teacher).vocab_size) < len(a):
+        raise config.ConfigError(f"distill.teacher ({teacher}): its embedding has {rows} rows, "
+                                 f"fewer than the {len(a)} tokens of model.path's tokenizer")
 
 
 def check_model_path(path, field="model.path"):

@@ -384,9 +384,10 @@ LOSSES = {"grpo": GRPOLoss, "dr_grpo": DrGRPOLoss, "dapo": DAPOLoss, "cispo": CI
 # ---- advantage estimators: rewards (B prompts, G samples each) -> advantages, no grad ------------
 # Each is called as fn(rewards, batch) and returns (B, G), one advantage per sequence, or (B*G, T),
 # one per token, where batch is the update's token batch (batch["mask"] is (B*G, T): 1 on trained
-# tokens; also ids, gen_logp). The four below are sequence-level and ignore it; a per-token one (a
-# process reward, a teacher's logprobs) reads it. `loss.adv` names one: a key of ADVANTAGES or a
-# user's "file.py:fn". An estimator that takes `eps` gets loss.adv_eps.
+# tokens; also ids, gen_logp, and teacher_logp under distill.teacher). The four below are
+# sequence-level and ignore it; a per-token one (a process reward, a teacher's logprobs) reads it.
+# `loss.adv` names one: a key of ADVANTAGES or a user's "file.py:fn". An estimator that takes `eps`
+# gets loss.adv_eps.
 
 def _as_float(x):
     x = torch.as_tensor(x)
@@ -436,6 +437,18 @@ def reinforce_pp_advantages(rewards, batch=None, eps=1e-8, group_baseline=False)
 
 ADVANTAGES = {"grpo": group_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages,
               "reinforce_pp": reinforce_pp_advantages}
+
+
+def distill_advantages(teacher_logp, gen_logp, mask, coef=1.0):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Lu & Thinking Machines Lab 2025): the
+    student samples, a frozen teacher scores each sampled token, and the advantage of token t is
+        A_t = coef * (log pi_teacher(y_t | y_<t) - log pi_gen(y_t | y_<t)),   0 off the mask,
+    the per-token sampled estimate of -coef * reverse KL(pi_gen || pi_teacher), with discount 0 (no
+    sum over later tokens) and no group baseline. Summed over a sequence its expectation is
+    -coef * KL over sequences (docs/losses-spec.md, section 1). pi_gen is the sampler's own
+    logprobs (batch["gen_logp"]), as the method defines it. (B*G, T), no grad."""
+    keep = mask.bool()
+    return coef * torch.where(keep, teacher_logp - gen_logp, 0.0).detach()
 
 
 def zero_std_groups(rewards):

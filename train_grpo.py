@@ -154,6 +154,17 @@ class Loss:
 
 
 @dataclass
+class Distill:
+    teacher: str = ""               # on-policy distillation (docs/distill.md): a frozen teacher, as
+                                    # model.path takes it (a checkpoint dir, hub name or
+                                    # "tiny:<dir>@<seed>"), with the student's tokenizer; "" = off
+    coef: float = 1.0               # per-token advantage coef * (teacher_logp - gen_logp), both at
+                                    # rollout.temperature (losses.distill_advantages)
+    reward_weight: float = 0.0      # > 0: plus this times loss.adv's advantage of the task reward
+                                    # (0: pure distillation; a group of 1 sample is then allowed)
+
+
+@dataclass
 class Optim:
     lr: float = 3e-4                # peak learning rate (AdamW)
     betas: tuple = (0.9, 0.99)      # AdamW (beta1, beta2)
@@ -221,8 +232,8 @@ class Ckpt:
 
 
 def parse_config(argv):
-    sections = dict(model=Model(), data=Data(), rollout=Rollout(), loss=Loss(), optim=Optim(),
-                    train=Train(), dist=Dist(), eval=Eval(), log=Log(), ckpt=Ckpt())
+    sections = dict(model=Model(), data=Data(), rollout=Rollout(), loss=Loss(), distill=Distill(),
+                    optim=Optim(), train=Train(), dist=Dist(), eval=Eval(), log=Log(), ckpt=Ckpt())
     return SimpleNamespace(**run.parse_cli(sections, argv))  # cfg.loss.beta, not cfg["loss"].beta
 
 
@@ -232,7 +243,14 @@ def parse_config(argv):
 def advantages(r, batch, lengths, cfg):
     """(B, G) rewards -> advantages (B*G, 1), one per sequence, or (B*G, T), one per token:
     whichever the estimator `loss.adv` returns (losses.py: ADVANTAGES). DAPO's overlong shaping is
-    added to the reward first."""
+    added to the reward first. With a teacher (distill.teacher), on-policy distillation's per-token
+    coef * (teacher_logp - gen_logp), plus distill.reward_weight times the estimator's."""
+    d = cfg.distill
+    if d.teacher:
+        kl = losses.distill_advantages(batch["teacher_logp"], batch["gen_logp"], batch["mask"],
+                                       d.coef)
+        if not d.reward_weight:  # pure distillation: no group baseline, the rewards unused
+            return kl
     if cfg.rollout.overlong_cache:
         r = r + losses.overlong_penalty(lengths, cfg.rollout.max_tokens, cfg.rollout.overlong_cache)
     estimator = config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
@@ -243,7 +261,8 @@ def advantages(r, batch, lengths, cfg):
         raise ValueError(f"loss.adv={cfg.loss.adv!r} returned advantages of shape "
                          f"{tuple(adv.shape)}: expected {tuple(r.shape)} (one per sequence) or "
                          f"({n}, {T}) (one per token, batch['mask']'s)")
-    return adv.reshape(n, -1)
+    adv = adv.reshape(n, -1)
+    return kl + d.reward_weight * adv if d.teacher else adv
 
 
 def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
@@ -358,6 +377,10 @@ def main(argv=None):
     if run.print_config(cfg, argv):  # --print-config: nothing is loaded
         return
     path = run.resolve_model(cfg.model.path)
+    # on-policy distillation: the teacher scores the student's token ids, so one vocabulary
+    teacher_path = cfg.distill.teacher and run.resolve_model(cfg.distill.teacher, "distill.teacher")
+    if teacher_path:
+        checks.same_vocab(path, teacher_path)
     backend = engine.resolve_backend(cfg, path)  # which GPU an engine takes
     # pins GPUs: before CUDA
     roles = dist.get_roles(cfg.dist.generator_ranks, colocated_engine=backend == "vllm")
@@ -392,6 +415,8 @@ def main(argv=None):
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
+    # frozen models score the batch's tokens with no grad, sharded like the policy: the reference
+    # and the distillation teacher
     model = run.load_model(path, roles.device, mesh, cfg)
     loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(
         **checks.loss_kwargs(cfg))
@@ -399,6 +424,8 @@ def main(argv=None):
     kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0
     ref = (run.load_model(path, roles.device, mesh, cfg, frozen=True)
            if kl_in_loss or cfg.log.drift else None)
+    teacher = (run.load_model(teacher_path, roles.device, mesh, cfg, frozen=True)
+               if teacher_path else None)
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
     # a resume restores model, optimizer, schedule, counters; data order and sampling seeds derive
     # from the step
@@ -438,10 +465,17 @@ def main(argv=None):
             r, correct, rstats = scored or scorer(groups, problems)[1:]
         problems, groups = problems[lo:hi], groups[lo:hi]
         lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float32)
-        # 4d. the batch, ids (B/dp*G, P+R) and mask (B/dp*G, R); advantages (B/dp*G, 1) or
-        # (B/dp*G, T); DAPO's filter zeroes the mask of groups without signal
+        # 4d. the batch, ids (B/dp*G, P+R) and mask (B/dp*G, R); a teacher's logprobs of its tokens
+        # (distill.teacher); advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask
+        # of groups without signal
         batch = packing.make_batch(problems, groups, tok.pad_token_id)
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})
+        if teacher is not None:
+            with metrics.timed(perf, "perf/teacher_s"):
+                batch["teacher_logp"] = packing.no_grad_logp(teacher, batch,
+                                                             cfg.train.micro_batch, temp).cpu()
+            rstats = {**rstats, "distill/reverse_kl": float(losses.masked_mean(
+                batch["gen_logp"] - batch["teacher_logp"], batch["mask"]))}
         adv = advantages(r, batch, lengths, cfg)
         if ro.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]

@@ -1,9 +1,10 @@
 """Tests for losses.py against docs/losses-spec.md.
 
-Oracles: the spec's worked examples E1-E9 (numbers copied verbatim; value and autograd gradient, float64,
+Oracles: the spec's worked examples E1-E10 (numbers copied verbatim; value and autograd gradient, float64,
 atol 1e-6), the invariants of its section 10 on seeded random inputs, and a slow per-token Python-loop
 reference for every loss (scalar autograd ops, no vectorisation, no padding tricks).
 """
+import inspect
 import math
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 import losses
 from conftest import BUILTIN_LOSSES
 from losses import (LOSSES, CISPOLoss, DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss, ReinforceLoss, SAPOLoss,
-                    SimpleGRPOLoss, dr_grpo_advantages, entropy_bonus, group_advantages,
+                    SimpleGRPOLoss, distill_advantages, dr_grpo_advantages, entropy_bonus,
+                    group_advantages,
                     kl_estimate, overlong_penalty, reinforce_pp_advantages, rloo_advantages,
                     tis_weights, zero_std_groups)
 
@@ -164,6 +166,29 @@ def test_advantage_properties():
     c = r - r.mean(1, keepdim=True)
     assert close(b, (c - c.mean()) / c.std(), 1e-6)
     assert group_advantages(torch.tensor([[1, 0]])).dtype.is_floating_point  # int rewards are fine
+
+
+def test_e10_distillation_advantages_and_a_slow_loop():
+    a = distill_advantages(t([[-0.5, -1.0, -2.0]]), t([[-0.7, -0.9, -2.0]]), t([[1, 1, 0]]), coef=2.0)
+    assert close(a, [[0.4, -0.2, 0.0]]) and close(-a.sum() / 2, -0.1)
+    lp, old, _, _, mask = rand_batch(3)  # junk past each row's end: 0 there, never NaN
+    slow = [[2.0 * (float(lp[i, j]) - float(old[i, j])) if mask[i, j] else 0.0 for j in range(lp.shape[1])]
+            for i in range(lp.shape[0])]
+    assert close(distill_advantages(lp, old, mask, coef=2.0), slow, 1e-12)
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_teacher_equal_to_the_student_gives_exactly_zero_gradient(name):
+    """On-policy distillation with teacher = sampler: A = 0 on every token, and every loss's gradient is exactly 0
+    (beta = 0; the same numbers on both sides, so no mismatch)."""
+    lp, old, _, _, mask = rand_batch(4)
+    adv = distill_advantages(lp, lp, mask)
+    assert torch.equal(adv, torch.zeros_like(lp))
+    kw = dict(REQUIRED.get(name, {}))
+    if "beta" in inspect.signature(LOSSES[name]).parameters:
+        kw["beta"] = 0.0
+    _, grad, _ = run(LOSSES[name](**kw), lp, None, adv, mask, lp.detach())
+    assert torch.equal(grad, torch.zeros_like(lp)), name
 
 
 def test_zero_std_groups_and_overlong():
