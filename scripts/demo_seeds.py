@@ -15,8 +15,10 @@ GRPO) for one (path, seed):
   own kernels), MKL_CBWR=AVX2 (MKL's) and ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN's). Each trainer prints the capability it
   ran with (`machine:` line), and the table records it.
 
-`--jobs=2` runs two cells side by side with one thread each: measured bit-identical to one cell with two threads
-(SFT losses and evals over 150 steps), and 1.26x the throughput on 2 cores; wall times are then not the demo's.
+`--jobs=2` runs two cells side by side with one thread each, 1.26x the throughput on 2 cores; wall times are then
+not the demo's. One thread is not bit-identical to two in GRPO any more (it was when measured over 150 steps): on
+2026-12-06 native seed 0 had the same SFT phase and the same evals to step 100, then ended 0.734 against 0.736
+(docs/demo.md#two-numeric-paths-on-one-machine), as close as two runs of one seed get, not the same bits.
 
 The verdict per cell is the issue's bar for a demo with margin (held-out greedy accuracy, 500 problems, GRPO's step-0
 eval of the SFT export against its later evals): final gain >= +0.10, and no eval more than 0.05 below the start;
@@ -248,6 +250,7 @@ def main(argv=None):
     cells = [c for c in results["cells"] if tuple(c["overrides"]) == tuple(extra)]
     for c in cells if args.analyze or args.calibrate else ():
         cell_dir = out / f"{c['path']}_s{c['seed']}"
+        c.update(summarize(c["path"], c["seed"], cell_dir, c["seconds"], c["rc"]))  # today's figures
         c["sft_calibration"] = calibration(cell_dir / "demo" / "sft" / "hf", c["seed"])
         print(c["path"], c["seed"], c["sft_calibration"], flush=True)
         if args.analyze:

@@ -3,8 +3,8 @@
 The real commands in subprocesses (train_sft.py, then train_grpo.py in one process with the colocated torch
 generator, configs/tiny.py's recipe as it ships), made short enough for the test budget: single-digit problems, which
 a from-scratch model starts answering after a few hundred SFT steps, so GRPO sees reward (and groups with signal)
-from its first batch. The demo runs twice side by side, one thread each (scripts/demo_seeds.py: bit-identical to two
-threads), once on this CPU's own kernels and once on the kernels of an AVX2-only machine (ATEN_CPU_CAPABILITY=avx2,
+from its first batch. The demo runs twice side by side, one thread each (as scripts/demo_seeds.py runs its cells),
+once on this CPU's own kernels and once on the kernels of an AVX2-only machine (ATEN_CPU_CAPABILITY=avx2,
 MKL_CBWR, ONEDNN_MAX_CPU_ISA): the full demo once lost 0.29 held-out accuracy on an AVX2 box while it gained +0.25 on
 an AVX-512 one, and a test that looked only at the training reward passed on both.
 
