@@ -4,7 +4,8 @@ One step (B prompts, G samples each; every shape below is per trainer rank unles
 
     prompts --generate--> B*G completions (+ the generator's logprobs, weight version)
             --reward----> R (B, G)       rewards.py, through reward_guard.py: never raises or hangs
-            --advantage-> A (B*G, 1) or (B*G, T)   losses.ADVANTAGES, or a user's file.py:fn
+            --advantage-> A (B*G, 1) or (B*G, T)   losses.ADVANTAGES, or a user's file.py:fn; with
+                                 distill.teacher, a frozen teacher's per-token logprobs (distill.md)
             --ref/old---> ref_logp, old_logp (B*G, T)   no-grad forwards, only when needed
             --update----> ppo_epochs x minibatches x micro-batches, AdamW, grad clip
             --sync------> trainer rank 0 broadcasts the new weights to the generator ranks
@@ -289,8 +290,8 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
                 mb_adv = at(adv).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
-                mb_adv, tis_stats = truncated_is(mb_adv, logp, at(old_logp), at(batch["gen_logp"]),
-                                             mask, cfg.loss.tis_cap)
+                mb_adv, tis_stats = truncated_is(mb_adv, logp, at(old_logp),
+                                                 at(batch["gen_logp"]), mask, cfg.loss.tis_cap)
                 loss, stats = loss_fn(logp, at(ref_logp), mb_adv, mask,
                                       old_logprobs=at(old_logp))
                 # test hook: this step's loss is NaN (tests/test_faults.py)

@@ -15,10 +15,11 @@ GRPO) for one (path, seed):
   own kernels), MKL_CBWR=AVX2 (MKL's) and ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN's). Each trainer prints the capability it
   ran with (`machine:` line), and the table records it.
 
-`--jobs=2` runs two cells side by side with one thread each, 1.26x the throughput on 2 cores; wall times are then
-not the demo's. One thread is not bit-identical to two in GRPO any more (it was when measured over 150 steps): on
-2026-12-06 native seed 0 had the same SFT phase and the same evals to step 100, then ended 0.734 against 0.736
-(docs/demo.md#two-numeric-paths-on-one-machine), as close as two runs of one seed get, not the same bits.
+`--jobs=2` runs two cells side by side with one thread each, 1.26x the throughput on 2 cores;
+wall times are then not the demo's. One thread is not bit-identical to two in GRPO any more (it
+was when measured over 150 steps): on 2026-12-06 native seed 0 had the same SFT phase and the same
+evals to step 100, then ended 0.734 against 0.736 (docs/demo.md#two-numeric-paths-on-one-machine):
+as close as two runs of one seed get, not the same bits.
 
 The verdict per cell is the issue's bar for a demo with margin (held-out greedy accuracy, 500 problems, GRPO's step-0
 eval of the SFT export against its later evals): final gain >= +0.10, and no eval more than 0.05 below the start;
@@ -80,16 +81,17 @@ def kind(problem):
     whose units add to 10 or more) or borrows (a difference whose units digit is the smaller)."""
     a, op, b = problem["solution"].split("=")[0].split()
     a, b = int(a), int(b)
-    return f"{op} carry" if (op == "+" and a % 10 + b % 10 >= 10) or (op == "-" and a % 10 < b % 10) \
-        else f"{op} no carry"
+    carry = a % 10 + b % 10 >= 10 if op == "+" else a % 10 < b % 10
+    return f"{op} carry" if carry else f"{op} no carry"
 
 
 def calibration(hf_dir, seed, n=8, bins=10):
-    """The SFT export as GRPO meets it, on GRPO's own 500 held-out problems: greedy accuracy, overall
-    and per problem type (kind); how well its confidence in its greedy answer (the completion's
-    probability) predicts being right (ECE over `bins` equal-width bins, and mean confidence against
-    accuracy); and at temperature 1 with n samples (a GRPO group), the mean reward and the share of
-    problems whose n samples all agree (no GRPO signal), split into all right and all wrong."""
+    """The SFT export as GRPO meets it, on GRPO's own 500 held-out problems: greedy accuracy,
+    overall and per problem type (kind); how well its confidence in its greedy answer (the
+    completion's probability) predicts being right (ECE over `bins` equal-width bins, and mean
+    confidence against accuracy); and at temperature 1 with n samples (a GRPO group), the mean
+    reward and the share of problems whose n samples all agree (no GRPO signal), split into all
+    right and all wrong."""
     import torch
     sys.path.insert(0, str(demo.ROOT))
     import data
@@ -118,7 +120,8 @@ def calibration(hf_dir, seed, n=8, bins=10):
                    "sampled": round(float(r[[i for i, x in enumerate(kinds) if x == k]].mean()), 3)}
                for k in sorted(set(kinds))}
     return {"greedy_accuracy": float(ok.mean()), "confidence_mean": float(conf.mean()), "ece": ece,
-            "sampled_reward": float(r.mean()), "all_same_frac": float(((r.sum(1) == 0) | (r.sum(1) == n)).float().mean()),
+            "sampled_reward": float(r.mean()),
+            "all_same_frac": float(((r.sum(1) == 0) | (r.sum(1) == n)).float().mean()),
             "all_right_frac": float((r.sum(1) == n).float().mean()),
             "all_wrong_frac": float((r.sum(1) == 0).float().mean()), "by_kind": by_kind}
 
@@ -208,8 +211,9 @@ def main(argv=None):
                     "overrides), so a GRPO recipe is measured from the same starts in half the time")
     ap.add_argument("--analyze", type=int, default=0, metavar="N", help="for every finished cell: its SFT export's "
                     "calibration, and the first N GRPO steps again with log.drift (how big each update was)")
-    ap.add_argument("--calibrate", action="store_true", help="for every finished cell: its SFT export's calibration "
-                    "only (accuracy per problem type, groups of 8 all right or all wrong; no GRPO rerun)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="for every finished cell: its SFT export's calibration only (accuracy per "
+                    "problem type, groups of 8 all right or all wrong; no GRPO rerun)")
     args, extra = ap.parse_known_args(argv)
     sft_extra, _ = demo.split_overrides(extra)  # --sft.* / --grpo.* only; fails on anything else
     sft_from = Path(args.out_dir, args.sft_from) if args.sft_from else None
@@ -250,7 +254,8 @@ def main(argv=None):
     cells = [c for c in results["cells"] if tuple(c["overrides"]) == tuple(extra)]
     for c in cells if args.analyze or args.calibrate else ():
         cell_dir = out / f"{c['path']}_s{c['seed']}"
-        c.update(summarize(c["path"], c["seed"], cell_dir, c["seconds"], c["rc"]))  # today's figures
+        # today's figures
+        c.update(summarize(c["path"], c["seed"], cell_dir, c["seconds"], c["rc"]))
         c["sft_calibration"] = calibration(cell_dir / "demo" / "sft" / "hf", c["seed"])
         print(c["path"], c["seed"], c["sft_calibration"], flush=True)
         if args.analyze:

@@ -1,30 +1,35 @@
-"""End to end: a shortened `make demo` (scripts/demo.py) learns on held-out problems, on both numeric paths.
+"""End to end: a shortened `make demo` (scripts/demo.py) learns on held-out problems, on both
+numeric paths.
 
-The real commands in subprocesses (train_sft.py, then train_grpo.py in one process with the colocated torch
-generator, configs/tiny.py's recipe as it ships), made short enough for the test budget: single-digit problems, which
-a from-scratch model starts answering after a few hundred SFT steps, so GRPO sees reward (and groups with signal)
-from its first batch. The demo runs twice side by side, one thread each (as scripts/demo_seeds.py runs its cells),
-once on this CPU's own kernels and once on the kernels of an AVX2-only machine (ATEN_CPU_CAPABILITY=avx2,
-MKL_CBWR, ONEDNN_MAX_CPU_ISA): the full demo once lost 0.29 held-out accuracy on an AVX2 box while it gained +0.25 on
-an AVX-512 one, and a test that looked only at the training reward passed on both.
+The real commands in subprocesses (train_sft.py, then train_grpo.py in one process with the
+colocated torch generator, configs/tiny.py's recipe as it ships), made short enough for the test
+budget: single-digit problems, which a from-scratch model starts answering after a few hundred SFT
+steps, so GRPO sees reward (and groups with signal) from its first batch. The demo runs twice side
+by side, one thread each (as scripts/demo_seeds.py runs its cells), once on this CPU's own kernels
+and once on the kernels of an AVX2-only machine (ATEN_CPU_CAPABILITY=avx2, MKL_CBWR,
+ONEDNN_MAX_CPU_ISA): the full demo once lost 0.29 held-out accuracy on an AVX2 box while it gained
++0.25 on an AVX-512 one, and a test that looked only at the training reward passed on both.
 
 What must hold on each path, measured on 500 held-out problems (greedy, GRPO's own evaluate()):
-- no eval falls more than MAX_DIP below GRPO's start (the collapse starts as a dip in the first tens of steps);
-- the final eval is at least MIN_GAIN above the start, and the training reward rises by at least MIN_RISE (a
-  stall, not only a collapse, fails: see below);
-- no single update moves the policy by more than MAX_STEP_KL nats per token (log.drift's KL(pi_old || pi_new) on
-  the batch), nor more than MAX_MOVED of the batch's tokens past PPO's [0.8, 1.2]. This is the collapse's cause
-  measured directly (docs/demo.md): this short run is easier than the demo and recovers where the demo does not,
-  so the outcome checks alone passed the old recipe (lr 3e-4 from step 1, no warm-up) on both paths (gains +0.13
-  and +0.16, no dip) while its updates measured KL 0.035 and 0.063 and 9-10% of tokens moved. The recipe as
-  shipped: 0.0021 and 0.0020, at most 2.5% moved; gains +0.38 (native, AVX-512) and +0.32 (AVX2), no dip.
+- no eval falls more than MAX_DIP below GRPO's start (the collapse starts as a dip in the first tens
+  of steps);
+- the final eval is at least MIN_GAIN above the start, and the training reward rises by at least
+  MIN_RISE (a stall, not only a collapse, fails: see below);
+- no single update moves the policy by more than MAX_STEP_KL nats per token (log.drift's KL(pi_old
+  || pi_new) on the batch), nor more than MAX_MOVED of the batch's tokens past PPO's [0.8, 1.2].
+  This is the collapse's cause measured directly (docs/demo.md): this short run is easier than the
+  demo and recovers where the demo does not, so the outcome checks alone passed the old recipe (lr
+  3e-4 from step 1, no warm-up) on both paths (gains +0.13 and +0.16, no dip) while its updates
+  measured KL 0.035 and 0.063 and 9-10% of tokens moved. The recipe as shipped: 0.0021 and 0.0020,
+  at most 2.5% moved; gains +0.38 (native, AVX-512) and +0.32 (AVX2), no dip.
 
-After the seed function (2026-12-06, docs/demo.md#ci-catches-it), the same run: held-out 0.600 -> 0.796 (+0.196,
-native) and 0.602 -> 0.828 (+0.226, AVX2), training reward (mean of the first and last 20 steps) +0.125 and +0.105,
-largest update 0.0044 and 0.0012 nats, at most 1.6% moved. The stall thresholds are about half of that: MIN_GAIN
-(+0.10, the demo's own bar) and MIN_RISE (+0.05). They cannot flake: each path's run is bit-identical from run to
-run (one thread, fixed seeds), so they move only when the code or the recipe does, and a halved gain is a learning
-regression, not noise.
+After the seed function (2026-12-06, docs/demo.md#ci-catches-it), the same run: held-out 0.600 ->
+0.796 (+0.196, native) and 0.602 -> 0.828 (+0.226, AVX2), training reward (mean of the first and
+last 20 steps) +0.125 and +0.105, largest update 0.0044 and 0.0012 nats, at most 1.6% moved. The
+stall thresholds are about half of that: MIN_GAIN (+0.10, the demo's own bar) and MIN_RISE (+0.05).
+They cannot flake: each path's run is bit-identical from run to run (one thread, fixed seeds), so
+they move only when the code or the recipe does, and a halved gain is a learning regression, not
+noise.
 """
 import json
 import os

@@ -1,5 +1,5 @@
-"""On-policy distillation (distill.teacher; docs/distill.md): the teacher's per-token logprobs as the
-advantage, checked against the exact reverse KL over the vocabulary, and end to end through the
+"""On-policy distillation (distill.teacher; docs/distill.md): the teacher's per-token logprobs as
+the advantage, checked against the exact reverse KL over the vocabulary, and end to end through the
 trainer: teacher = student gives nothing to learn, a vLLM rank under torchrun, multi-turn episodes,
 exact resume, and the config errors. The per-token formula against a slow loop and the zero
 gradient of every loss are tests/test_losses.py's (E10)."""
@@ -57,8 +57,8 @@ def test_the_policy_gradient_follows_the_exact_reverse_kl_gradient(tmp_path):
     """What the update does with these advantages: the GRPO loss's gradient (on-policy, token mean)
     points along the exact gradient of the per-position reverse KL (over the whole vocabulary, on
     the same sampled prefixes), the objective distillation descends: cosine > 0.8 over 256 samples
-    (0.888 measured on both CPU numeric paths). The teacher is the student sharpened (its final norm x 3): it prefers what the
-    student prefers, more strongly."""
+    (0.888 measured on both CPU numeric paths). The teacher is the student sharpened (its final
+    norm x 3): it prefers what the student prefers, more strongly."""
     student_dir = data.make_tiny_checkpoint(tmp_path / "s", seed=0)
     student, teacher = (Transformer.from_pretrained(student_dir) for _ in range(2))
     with torch.no_grad():

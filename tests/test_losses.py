@@ -1,8 +1,8 @@
 """Tests for losses.py against docs/losses-spec.md.
 
-Oracles: the spec's worked examples E1-E10 (numbers copied verbatim; value and autograd gradient, float64,
-atol 1e-6), the invariants of its section 10 on seeded random inputs, and a slow per-token Python-loop
-reference for every loss (scalar autograd ops, no vectorisation, no padding tricks).
+Oracles: the spec's worked examples E1-E10 (numbers copied verbatim; value and autograd gradient,
+float64, atol 1e-6), the invariants of its section 10 on seeded random inputs, and a slow per-token
+Python-loop reference for every loss (scalar autograd ops, no vectorisation, no padding tricks).
 """
 import inspect
 import math
@@ -169,18 +169,19 @@ def test_advantage_properties():
 
 
 def test_e10_distillation_advantages_and_a_slow_loop():
-    a = distill_advantages(t([[-0.5, -1.0, -2.0]]), t([[-0.7, -0.9, -2.0]]), t([[1, 1, 0]]), coef=2.0)
+    a = distill_advantages(t([[-0.5, -1.0, -2.0]]), t([[-0.7, -0.9, -2.0]]), t([[1, 1, 0]]),
+                           coef=2.0)
     assert close(a, [[0.4, -0.2, 0.0]]) and close(-a.sum() / 2, -0.1)
     lp, old, _, _, mask = rand_batch(3)  # junk past each row's end: 0 there, never NaN
-    slow = [[2.0 * (float(lp[i, j]) - float(old[i, j])) if mask[i, j] else 0.0 for j in range(lp.shape[1])]
-            for i in range(lp.shape[0])]
+    slow = [[2.0 * (float(lp[i, j]) - float(old[i, j])) if mask[i, j] else 0.0
+             for j in range(lp.shape[1])] for i in range(lp.shape[0])]
     assert close(distill_advantages(lp, old, mask, coef=2.0), slow, 1e-12)
 
 
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_a_teacher_equal_to_the_student_gives_exactly_zero_gradient(name):
-    """On-policy distillation with teacher = sampler: A = 0 on every token, and every loss's gradient is exactly 0
-    (beta = 0; the same numbers on both sides, so no mismatch)."""
+    """On-policy distillation with teacher = sampler: A = 0 on every token, and every loss's
+    gradient is exactly 0 (beta = 0; the same numbers on both sides, so no mismatch)."""
     lp, old, _, _, mask = rand_batch(4)
     adv = distill_advantages(lp, lp, mask)
     assert torch.equal(adv, torch.zeros_like(lp))

@@ -235,8 +235,9 @@ def test_mismatch_and_drift_measure_the_policy_before_the_update_with_four_minib
 
 
 def test_dynamic_sampling_refills_with_a_dedicated_generator_rank(tmp_path, start_ckpt, monkeypatch):
-    """The same with 1 trainer + 1 vLLM rank, generating one batch ahead: the trainer scores each round and one
-    all_gather tells the generator rank which groups count, so it knows whether another round follows."""
+    """The same with 1 trainer + 1 vLLM rank, generating one batch ahead: the trainer scores each
+    round and one all_gather tells the generator rank which groups count, so it knows whether
+    another round follows."""
     monkeypatch.chdir(ROOT)
     (tmp_path / "sparse.py").write_text(SPARSE_REWARD)
     common = [f"--model.path={start_ckpt}", *REFILL, f"--rollout.rewards={{'{tmp_path}/sparse.py:Sparse': 1.0}}",
@@ -254,14 +255,16 @@ class Counted(Sparse):  # one line per call, from every rank
 '''
 
 
-def test_dynamic_sampling_with_two_data_parallel_trainers_scores_every_group_once(tmp_path, start_ckpt,
-                                                                                   monkeypatch):
-    """Two colocated trainers: each scores its half of every round, one all_gather gives both all the rewards, so
-    they agree on the refill and train on the scores already made: reward calls = groups drawn x G, no more."""
+def test_dynamic_sampling_with_two_data_parallel_trainers_scores_every_group_once(
+        tmp_path, start_ckpt, monkeypatch):
+    """Two colocated trainers: each scores its half of every round, one all_gather gives both all
+    the rewards, so they agree on the refill and train on the scores already made: reward calls =
+    groups drawn x G, no more."""
     monkeypatch.chdir(ROOT)
     (tmp_path / "counted.py").write_text(COUNTED_REWARD)
-    common = [f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch", *REFILL,
-              f"--rollout.rewards={{'{tmp_path}/counted.py:Counted': 1.0}}", "--train.steps=2", "--log.run=e"]
+    common = [f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch",
+              *REFILL, f"--rollout.rewards={{'{tmp_path}/counted.py:Counted': 1.0}}",
+              "--train.steps=2", "--log.run=e"]
     run(common, tmp_path)
     rows, _ = check_refilled(tmp_path / "e", common)
     calls = len((tmp_path / "counted.py.calls").read_text().split())
