@@ -16,7 +16,7 @@ each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. 
 This file holds both loops: main() on the trainer ranks and generator_loop() on dedicated generator
 ranks, which read one schedule(s) and issue the same collectives in the same order. A step's batch
 (prompts, generation, collection, refill, eval) is rollout.py's.
-With `rollout.max_staleness >= 1` the generators run one batch ahead; their logprobs then serve as
+With `rollout.max_staleness = 1` the generators run one batch ahead; their logprobs then serve as
 old_logp, so the PPO ratio is taken against the policy that actually sampled.
 
 Deliberate departures from the papers:
@@ -115,7 +115,7 @@ class Rollout:
                                     # module a fork changed is left as is)
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode
                                     # is launch-bound)
-    max_staleness: int = 0          # 0 on-policy; >=1 generate batch s+1 while training on s
+    max_staleness: int = 0          # 0 on-policy; 1: generate batch s+1 while training on s
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all
                                     # equal, and refill
     refill_rounds: int = 4          # dynamic sampling: at most this many extra rounds of B prompts
@@ -343,7 +343,7 @@ def accumulate(sums, stats, w):
 class Plan:
     """What happens at step s besides its update. One function decides it (`schedule`) for both
     loops, main() and generator_loop(), which must issue the same collectives in the same order."""
-    ahead: bool  # generate batch s+1 before the update on batch s (rollout.max_staleness >= 1)
+    ahead: bool  # generate batch s+1 before the update on batch s (rollout.max_staleness = 1)
     sync: bool   # weights to the generators after the update: every dist.sync_interval steps, and
                  # before an eval
     eval: bool   # held-out eval after the update: every eval.every steps, and after the last
@@ -559,7 +559,7 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
     for s in range(start, cfg.train.steps):
         plan = schedule(s, cfg)
         rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers, pending)  # 4a-b
-        # staleness >= 1: batch s+1 is generated now, with the weights that produced batch s's
+        # staleness 1: batch s+1 is generated now, with the weights that produced batch s's
         # refill rounds
         pending = (rollout.generate_step(gen, train, s + 1, ro, seed, producer, num_producers)
                    if plan.ahead else None)

@@ -221,6 +221,17 @@ def test_compile_with_tensor_parallel_fails_validation():
         check(mod.parse_config(base), 2)
 
 
+def test_staleness_beyond_one_batch_is_refused_not_silently_one(tiny_ckpt):
+    """The generators run at most one batch ahead: rollout.max_staleness = 2 used to run green
+    while every sample was at most 1 version old. Until a k-step pipeline exists it is an error."""
+    import train_grpo
+    base = [str(ROOT / "configs" / "tiny.py"), f"--model.path={tiny_ckpt}"]
+    for k in (0, 1):
+        checks.grpo(train_grpo.parse_config([*base, f"--rollout.max_staleness={k}"]), 1)
+    with pytest.raises(config.ConfigError, match="rollout.max_staleness=2 must be 0 .* or 1 "):
+        checks.grpo(train_grpo.parse_config([*base, "--rollout.max_staleness=2"]), 1)
+
+
 def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
     """SimpleGRPO's ratio is always 1 (it ignores old_logprobs): stale batches or several updates per batch get a
     warning at config time, naming the fields; on-policy with one update it says nothing."""
