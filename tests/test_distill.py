@@ -147,13 +147,14 @@ def test_distillation_with_a_vllm_rank_under_torchrun_and_exact_resume(tmp_path,
 
 @pytest.mark.slow
 def test_in_multi_turn_episodes_the_teacher_scores_the_trained_tokens_only(tmp_path, tiny_ckpt):
-    """Retry episodes (a wrong answer gets a hint and another turn): the hint's tokens sit inside
-    the response with mask 0 and no sampler logprob. With teacher = student the KL on the trained
+    """Retry episodes (a wrong answer gets a hint and another turn) on two colocated trainers under
+    torchrun, the teacher sharded by FSDP2 like the policy: the hint's tokens sit inside the
+    response with mask 0 and no sampler logprob. With teacher = student the KL on the trained
     tokens is ~0; had the hint's tokens counted, the teacher's logprobs there (~ -6 nats) would
     show."""
     res = run([f"--model.path={tiny_ckpt}", f"--distill.teacher={tiny_ckpt}", *COLOCATED,
                "--rollout.env=retry", "--rollout.max_turns=2", "--train.steps=1",
-               "--log.run=mt"], tmp_path)
+               "--log.run=mt"], tmp_path, nproc=2)
     assert res.returncode == 0, res.stderr[-4000:]
     (r,) = rows(tmp_path / "mt")
     assert abs(r["distill/reverse_kl"]) < 1e-5 and r["episode/turns"] > 1, r
