@@ -41,11 +41,27 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 # a BaseException: caught by name
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 
 import dist
+import lora
 import weight_sync
 import model as model_lib
+
+# a checkpoint holds what trains: a frozen tensor (a LoRA run's base) equals the checkpoint the run
+# loads it from, at every resume
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+# loading: dcp.load fails on any trained tensor the checkpoint lacks; the frozen ones stay as loaded
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _trained_state(model, optimizer):
+    """(model, optimizer) state dicts of what trains. torch keeps a tied lm_head of a frozen
+    embedding (its second name): dropped too."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
 
 
 def _group_rank():
@@ -88,7 +104,7 @@ def save_checkpoint(ckpt_dir, step, model, optimizer, extra: dict) -> Path | Non
             tmp.mkdir(parents=True)
 
     def write_shards():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = _trained_state(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
                  process_group=dist.trainer_group())
 
@@ -155,22 +171,29 @@ def load_checkpoint(path, model, optimizer) -> dict:
     """Restore model + optimizer in place (any mesh: DCP reshards); returns this rank's `extra`."""
     path = Path(path)
     # the target layout: our shards of every tensor
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _trained_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, process_group=dist.trainer_group())
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"], options=LOAD_TRAINED)
     extra = path / f"extra_rank{_group_rank()}.pt"
     if not extra.exists():  # resumed on more ranks than saved: fall back to rank 0's
         extra = path / "extra_rank0.pt"
     return torch.load(extra, weights_only=False)
 
 
-def export_hf(model, path, tokenizer_dir=None):
-    """Full weights as a Hugging Face checkpoint (collective on trainers; trainer rank 0 writes)."""
+def export_hf(model, path, tokenizer_dir=None, adapter=None):
+    """Full weights as a Hugging Face checkpoint (collective on trainers; trainer rank 0 writes).
+    With LoRA adapters the weights are merged (lora.fold), and `adapter` (a dir, and the
+    lora.peft_config dict) gets the adapters alone in PEFT's format."""
     rank = _group_rank() if tdist.is_initialized() else 0
     full = {name: t.to("cpu", copy=True)
-            for name, t in weight_sync.full_params(model) if rank == 0}
+            for name, t in weight_sync.full_params(model, trained_only=False) if rank == 0}
+    scales = {m.scale for m in lora.adapted(model).values()}
+    if rank == 0 and scales:
+        if adapter is not None:
+            lora.save_adapter(full, *adapter)
+        full = lora.fold(full, scales.pop())
     if rank == 0:
         with torch.device("meta"):  # no random init; to_empty() keeps a tied lm_head tied
             out = model_lib.Transformer(model.cfg)

@@ -29,6 +29,7 @@ import dist
 import engine
 import episodes
 import losses
+import lora
 import rewards
 
 
@@ -126,6 +127,7 @@ def grpo(cfg, world_size):
         ("log.run", bool(c.log.run), "a non-empty name"),
         ("log.plot_every_s", c.log.plot_every_s >= 0 or c.log.plot_every_s == -1,
          ">= 0 (0: every step), -1 never")])
+    lora_options(cfg)
     outside_world(cfg)
     rewards.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
@@ -173,6 +175,26 @@ def grpo(cfg, world_size):
     if cfg.rollout.prompts_per_step % dp:
         raise err(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by "
                   f"the data-parallel size {dp}")
+
+
+def lora_options(cfg):
+    """model.lora_*: a rank, a scale, targets that exist; tensor parallelism is not built for
+    adapted layers."""
+    m, err = cfg.model, config.ConfigError
+    fields(cfg, [("model.lora_rank", m.lora_rank >= 0, ">= 0 (0 = off)"),
+                 ("model.lora_alpha", m.lora_alpha > 0, "> 0"),
+                 ("model.lora_dropout", 0 <= m.lora_dropout < 1, "in [0, 1)")])
+    if not m.lora_rank:
+        return
+    if not m.lora_targets:
+        raise err(f"model.lora_targets is empty: name some of {', '.join(lora.TARGETS)}")
+    for t in m.lora_targets:
+        if t not in lora.TARGETS:
+            raise err(f"model.lora_targets: no Linear '{t}' in a block"
+                      f"{config._closest(t, lora.TARGETS)}; valid: {', '.join(lora.TARGETS)}")
+    if cfg.dist.tp > 1:
+        raise err(f"model.lora_rank={m.lora_rank} with dist.tp={cfg.dist.tp}: LoRA is not built "
+                  "for tensor-parallel layers; use dist.tp=1 (FSDP2 shards the adapters)")
 
 
 def loss_kwargs(cfg, say=None):

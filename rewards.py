@@ -288,8 +288,14 @@ def reward_specs(entries, accuracy="math"):
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise config.ConfigError(f"{field}: the weight must be a number, got {weight!r}")
         fn = config.named(key, BUILTIN, field, "reward")
-        specs.append((key if key in BUILTIN else key.rpartition(":")[2], fn, kwargs, float(weight)))
+        specs.append((reward_name(key), fn, kwargs, float(weight)))
     return specs
+
+
+def reward_name(key):
+    """A reward's name in logs and in make_rewards' dicts: a built-in's own, a user's class or
+    function name ("file.py:Name" -> "Name")."""
+    return key if key in BUILTIN else key.rpartition(":")[2]
 
 
 def make_rewards(ro):
@@ -320,7 +326,7 @@ def score(groups, problems, reward_fns, weights, ro, pool=None):
             responses.append(c.text)
             targets.append(c.metadata.get("target") or str(p["target"]))
             ends.append((c.metadata.get("end"), c.metadata.get("env_reward")))
-    acc = ro.accuracy
+    acc = reward_name(ro.accuracy)
     total, stats, parts = score_batch(reward_fns, weights, prompts, responses, targets,
                                       timeout_s=ro.reward_timeout_s, pool=pool,
                                       per_reward=True)

@@ -237,7 +237,8 @@ def evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns, st
         sampled, _ = collect(local and {**local, "completions": local["k"]}, len(held_out))
     if not is_trainer:
         return None
-    acc_only = {ro.accuracy: reward_fns[ro.accuracy]}
+    acc = rewards.reward_name(ro.accuracy)
+    acc_only = {acc: reward_fns[acc]}
     _, r, _ = rewards.score(greedy, held_out, acc_only, None, ro)
     out = {"eval/pass@1": float((r >= 1).float().mean())}
     if k:

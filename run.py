@@ -154,15 +154,21 @@ def step_if_finite(opt, gnorm):
     return int(not finite)
 
 
-def load_model(path, device, mesh, cfg, frozen=False):
+def load_model(path, device, mesh, cfg, frozen=False, adapters=None):
     """A Hugging Face checkpoint as this rank's shard of the model (dist.shard_model: FSDP2, and
     tensor parallel when dist.tp > 1), computing in model.dtype. frozen=True: a model that only
     scores the batch's tokens, with no grad (the reference model; a fork's second frozen model, such
-    as a teacher, is one more call)."""
+    as a teacher, is one more call). adapters: a config section with lora_rank > 0 (train_grpo's
+    `model`): LoRA adapters on the frozen base (lora.py), A drawn from train.seed."""
+    import lora
     from model import Transformer
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+    model = Transformer.from_pretrained(path, device=device)
+    if adapters is not None:
+        a = adapters
+        lora.add(model, a.lora_rank, a.lora_alpha, a.lora_targets, a.lora_dropout, cfg.train.seed)
     model = dist.shard_model(
-        Transformer.from_pretrained(path, device=device), mesh, param_dtype=dtype,
+        model, mesh, param_dtype=dtype,
         activation_checkpointing=cfg.dist.activation_checkpointing and not frozen,
         compile=cfg.dist.compile)
     return model.requires_grad_(False) if frozen else model
@@ -173,8 +179,9 @@ def make_optimizer(model, optim, horizon):
     section."""
     # fused: one kernel over all parameters; on CPU the step measured 4x faster than the default
     # per-tensor loop
-    opt = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
-                            weight_decay=optim.weight_decay, fused=True)
+    # what trains: every parameter, or with LoRA the adapters only
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+                            betas=optim.betas, weight_decay=optim.weight_decay, fused=True)
     f = lr_lambda(optim.warmup_steps, optim.schedule, optim.min_lr_ratio, horizon)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, f)
 

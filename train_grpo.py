@@ -53,6 +53,7 @@ import data
 import dist
 import engine
 import losses
+import lora
 import machine
 import metrics
 import packing
@@ -74,6 +75,11 @@ class Model:
     dtype: str = "auto"             # compute: float32 | bfloat16 (bf16 params, fp32 reduce) | auto:
                                     # bf16 on a GPU; on CPU whichever this machine's matmuls run
                                     # faster (machine.choose_dtype)
+    lora_rank: int = 0              # LoRA (docs/lora.md): train rank-r adapters on a frozen base;
+                                    # 0 = off, full fine-tuning
+    lora_alpha: float = 16.0        # the adapters' scale is lora_alpha / lora_rank
+    lora_targets: tuple = lora.TARGETS  # which Linears of each block get adapters
+    lora_dropout: float = 0.0       # dropout on the adapters' input, in the update's forward only
 
 
 @dataclass
@@ -357,10 +363,13 @@ def schedule(s, cfg) -> Plan:
                 ckpt=run.checkpoint_due(s + 1, cfg))
 
 
-def receiver(gen, version):
+def receiver(gen, version, merge=None):
     """Where a weight sync's tensors go on this rank: into its engine, as weight version `version`
-    (optimizer steps taken); None where there is no engine."""
-    return None if gen is None else lambda named: gen.update_weights(named, version)
+    (optimizer steps taken); None where there is no engine. merge: with LoRA the sync carries the
+    adapters, and lora.Merger folds them into the base weights the engine loads."""
+    if gen is None:
+        return None
+    return lambda named: gen.update_weights(merge(named) if merge else named, version)
 
 
 # the per-step line
@@ -410,21 +419,26 @@ def main(argv=None):
     pool = reward_guard.RewardPool(reward_fns, workers=ro.reward_workers) \
         if ro.reward_workers and roles.is_trainer else None
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
+    lora_rank = cfg.model.lora_rank  # LoRA: what syncs is the adapters, merged where they arrive
+    merge = lora.Merger(path, lora_rank, cfg.model.lora_alpha) if lora_rank and gen else None
     # a dedicated generator rank: generator_loop, below main, is its whole life
     if roles.is_generator:
-        generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start)
+        generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start, merge)
         return dist.shutdown()
 
     # ---- 3. models and optimizer (trainer ranks; the reference model only when beta > 0) --------
     # frozen models score the batch's tokens with no grad, sharded like the policy: the reference
     # and the distillation teacher
-    model = run.load_model(path, roles.device, mesh, cfg)
+    model = run.load_model(path, roles.device, mesh, cfg, adapters=cfg.model if lora_rank else None)
     loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(
         **checks.loss_kwargs(cfg))
-    # log.drift measures against the start weights too
+    # log.drift measures against the start weights too; with LoRA they are the policy's own base
+    # (adapters off): no second copy
     kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0
-    ref = (run.load_model(path, roles.device, mesh, cfg, frozen=True)
-           if kl_in_loss or cfg.log.drift else None)
+    ref = None
+    if kl_in_loss or cfg.log.drift:
+        ref = (lora.Base(model) if lora_rank
+               else run.load_model(path, roles.device, mesh, cfg, frozen=True))
     teacher = (run.load_model(teacher_path, roles.device, mesh, cfg, frozen=True)
                if teacher_path else None)
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.train.steps)
@@ -433,7 +447,7 @@ def main(argv=None):
     skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
     if ckpt_path:  # the generators take the restored weights before they generate anything
         weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
-                                      receiver(gen, start))
+                                      receiver(gen, start, merge))
     dp_rank, dp = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
     log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN,
@@ -511,7 +525,7 @@ def main(argv=None):
         with metrics.timed(perf, "perf/sync_s"):
             if plan.sync:
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
-                                                     receiver(gen, s + 1))
+                                                     receiver(gen, s + 1, merge))
             if roles.colocated and gen is not None:
                 gen.wake_up()  # whatever still sleeps; after a sync nothing does (generator.py)
         # 4h. metrics (averaged over data-parallel ranks), eval, checkpoint, log
@@ -539,19 +553,22 @@ def main(argv=None):
                             last=s + 1 == cfg.train.steps)
 
     # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
-    checkpoint.export_hf(model, out / "hf", tokenizer_dir=path)
+    m = cfg.model  # with LoRA: merged, and the adapter alone in PEFT's format (lora.py)
+    adapter = (out / "adapter", lora.peft_config(m.lora_rank, m.lora_alpha, m.lora_targets,
+                                                 m.lora_dropout, path))
+    checkpoint.export_hf(model, out / "hf", tokenizer_dir=path, adapter=adapter)
     log.close()
     dist.shutdown()
 
 
-def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
+def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start, merge):
     """A dedicated generator rank: main()'s collectives, in main()'s order, with generation between.
     A collective added to one loop and not the other hangs the run until dist.timeout_s."""
     producer, num_producers = roles.generator_ranks.index(roles.rank), len(roles.generator_ranks)
     ro, seed, k = cfg.rollout, cfg.train.seed, cfg.eval.pass_k
     if start > 0:  # resumed: take the restored weights before generating anything (main: restore)
         weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
-                                      receiver(gen, start))
+                                      receiver(gen, start, merge))
     if start == 0:  # main: the step-0 eval
         rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns, 0,
                          is_trainer=False)
@@ -565,7 +582,7 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start):
                    if plan.ahead else None)
         if plan.sync:  # main: 4g
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
-                                          receiver(gen, s + 1))
+                                          receiver(gen, s + 1, merge))
         if plan.eval:  # main: 4h
             rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns,
                              s + 1, is_trainer=False)

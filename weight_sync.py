@@ -48,18 +48,21 @@ def sync_group(roles):
     return dist.new_group([roles.trainer_ranks[0], *roles.generator_ranks])
 
 
-def _sync_order(model):
+def _sync_order(model, trained_only=True):
     """named_parameters() (a tied lm_head once, as embed_tokens), decoder blocks first, then the
-    rest (see above)."""
-    return sorted(model.named_parameters(), key=lambda kv: not kv[0].startswith("model.layers."))
+    rest (see above). trained_only: what trains, since a frozen tensor still equals the checkpoint
+    every generator loaded: with LoRA the adapters alone (lora.Merger folds them in)."""
+    return sorted(((n, p) for n, p in model.named_parameters()
+                   if p.requires_grad or not trained_only),
+                  key=lambda kv: not kv[0].startswith("model.layers."))
 
 
 # on a generator: only while it runs. DTensor ops outside autograd cost ~15x less per parameter
 @torch.no_grad()
-def full_params(model):
+def full_params(model, trained_only=True):
     """(hf_name, full tensor), one at a time, in _sync_order. Collective over the trainer mesh for
     DTensors."""
-    for name, p in _sync_order(model):
+    for name, p in _sync_order(model, trained_only):
         if isinstance(p, DTensor):
             # on a 1-rank mesh the local shard is whole: skip full_tensor()'s copy
             p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
@@ -167,7 +170,7 @@ def broadcast_weights(model, group, roles, bucket_mb=256, receive=None) -> dict:
     t0, src = time.perf_counter(), roles.trainer_ranks[0]
     if roles.colocated:  # in-process handover: each trainer rank feeds its own generator
         it, nbytes = full_params(model), sum(p.numel() * p.element_size()
-                                             for p in model.parameters())
+                                             for _, p in _sync_order(model))
     elif roles.is_trainer and roles.rank != src:
         # full_tensor() is collective over the mesh: take part, send nothing
         it, nbytes, receive = full_params(model), 0, None

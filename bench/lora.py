@@ -1,0 +1,91 @@
+"""LoRA against full fine-tuning, side by side in one run: what a sync carries, its time, the step,
+the update's share of it, and the trainer's memory, with and without a KL to the reference.
+
+Each setting is the real trainer under torchrun (bench/step.py's run_grpo): 1 trainer rank + 1 vLLM
+generator rank, on SmolLM2-135M-Instruct by default (configs/smollm2_cpu.py's workload: 8 prompts x
+8 samples, <= 32 tokens), warm-up steps dropped, medians over the measured ones:
+
+    full        every parameter trains, syncs, and has AdamW state
+    lora r8     model.lora_rank=8 (alpha 16, every Linear of every block): adapters train and sync;
+                the generator folds them into its base (lora.Merger)
+    lora r32    the same at rank 32
+
+and each again with loss beta = 0.04, where full fine-tuning loads a second, frozen copy of the
+model as the reference and LoRA scores the reference with its adapters off (no copy): the
+trainer's peak RSS difference is the memory the second model no longer takes.
+
+Figures per setting: sync/bytes (exact), sync/seconds as the trainer rank sees it (the wire: the
+generator folds and reloads after the last tensor arrives, and that time lands in the next step's
+wait), step and update (perf/train_s) seconds, and each rank's peak RSS. The machine's roofline
+comes first, as in every bench result.
+
+    .venv/bin/python bench/lora.py                          # bench/results/lora_smollm2.json
+    .venv/bin/python bench/lora.py --model tiny --steps 2 --warmup 1 --out /tmp/l.json   # smoke run
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import step  # noqa: E402  (bench/step.py: run_grpo)
+
+SETTINGS = {"full": [], "lora_r8": ["--model.lora_rank=8", "--model.lora_alpha=16"],
+            "lora_r32": ["--model.lora_rank=32", "--model.lora_alpha=64"]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2", help="smollm2 | tiny (the random tiny checkpoint)")
+    p.add_argument("--steps", type=int, default=4, help="measured steps")
+    p.add_argument("--warmup", type=int, default=2, help="steps run first and not counted")
+    p.add_argument("--betas", default="0,0.04", help="loss beta values, comma-separated")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_smollm2.json"))
+    a = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    import machine
+    roof = machine.roofline()  # first: the figures this run's speeds are read against
+    if a.model == "smollm2":
+        import fetch_model
+        config, ckpt = "configs/smollm2_cpu.py", str(fetch_model.fetch_smollm2())
+    else:
+        config, ckpt = "configs/tiny.py", None
+    results = []
+    for beta in (float(b) for b in a.betas.split(",")):
+        for name, extra in SETTINGS.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                rows, rss, wall = step.run_grpo(
+                    [*extra, f"--loss.kwargs={{'beta': {beta}}}", "--rollout.backend=vllm"],
+                    a.warmup + a.steps + 1, tmp, nproc=2, config=config, ckpt=ckpt)
+            rows = rows[a.warmup:a.warmup + a.steps]
+            med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+            res = dict(setting=name, beta=beta, overrides=extra, sync_bytes=med("sync/bytes"),
+                       sync_s=med("sync/seconds"), step_s=med("perf/step_s"),
+                       train_s=med("perf/train_s"), ref_s=med("perf/ref_s"),
+                       gen_wait_s=med("perf/wait_s"), mismatch=max(r["mismatch/abs_diff"]
+                                                                   for r in rows),
+                       peak_rss_mb={f"rank{r}": mb for r, mb in sorted(rss.items())}, wall_s=wall)
+            res["train_share"] = res["train_s"] / res["step_s"]
+            results.append(res)
+            print(f"beta={beta} {name:9s} sync {res['sync_bytes'] / 2**20:8.2f} MiB "
+                  f"in {res['sync_s']:.3f} s | step {res['step_s']:.2f} s, update "
+                  f"{res['train_s']:.2f} s ({res['train_share']:.0%}) | trainer RSS "
+                  f"{rss.get(0, 0):.0f} MB | mismatch {res['mismatch']:.1e}", flush=True)
+    full = {r["beta"]: r for r in results if r["setting"] == "full"}
+    for r in results:
+        f = full[r["beta"]]
+        r["sync_bytes_vs_full"] = r["sync_bytes"] / f["sync_bytes"]
+        r["step_s_vs_full"] = r["step_s"] / f["step_s"]
+        r["trainer_rss_vs_full_mb"] = r["peak_rss_mb"]["rank0"] - f["peak_rss_mb"]["rank0"]
+    out = dict(model=a.model, config=config, steps=a.steps, warmup=a.warmup,
+               layout="1 trainer + 1 vLLM rank (torchrun, gloo)", results=results,
+               goal=dict(sync_bytes_vs_full_at_r8=0.03), machine=roof)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
