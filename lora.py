@@ -80,7 +80,7 @@ def add(model, rank, alpha, targets=TARGETS, dropout=0.0, seed=0):
     the model."""
     model.requires_grad_(False)
     g = torch.Generator().manual_seed(seeds.seed(seed, "lora_A"))
-    for i, block in enumerate(model.model.layers):
+    for block in model.model.layers:
         for parent in (block.self_attn, block.mlp):
             for name in targets:
                 if isinstance(getattr(parent, name, None), nn.Linear):

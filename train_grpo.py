@@ -9,6 +9,8 @@ One step (B prompts, G samples each; every shape below is per trainer rank unles
             --ref/old---> ref_logp, old_logp (B*G, T)   no-grad forwards, only when needed
             --update----> ppo_epochs x minibatches x micro-batches, AdamW, grad clip
             --sync------> trainer rank 0 broadcasts the new weights to the generator ranks
+With model.lora_rank > 0 (lora.py) only adapters train and sync, the generators fold them into the
+base, and the reference is the policy with its adapters off.
 
 Rank roles (dist.py): with `torchrun --nproc_per_node=N`, the last `dist.generator_ranks` ranks
 each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. With

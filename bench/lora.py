@@ -3,7 +3,8 @@ the update's share of it, and the trainer's memory, with and without a KL to the
 
 Each setting is the real trainer under torchrun (bench/step.py's run_grpo): 1 trainer rank + 1 vLLM
 generator rank, on SmolLM2-135M-Instruct by default (configs/smollm2_cpu.py's workload: 8 prompts x
-8 samples, <= 32 tokens), warm-up steps dropped, medians over the measured ones:
+8 samples, <= 32 tokens, in fp32 as the real-model demo runs), warm-up steps dropped, medians
+over the measured ones:
 
     full        every parameter trains, syncs, and has AdamW state
     lora r8     model.lora_rank=8 (alpha 16, every Linear of every block): adapters train and sync;
@@ -17,10 +18,12 @@ trainer's peak RSS difference is the memory the second model no longer takes.
 Figures per setting: sync/bytes (exact), sync/seconds as the trainer rank sees it (the wire: the
 generator folds and reloads after the last tensor arrives, and that time lands in the next step's
 wait), step and update (perf/train_s) seconds, and each rank's peak RSS. The machine's roofline
-comes first, as in every bench result.
+comes first, as in every bench result. Then the torch generator's decode on merged weights
+(what a sync gives it) against the adapted module unmerged (`decode`).
 
     .venv/bin/python bench/lora.py                          # bench/results/lora_smollm2.json
     .venv/bin/python bench/lora.py --model tiny --steps 2 --warmup 1 --out /tmp/l.json   # smoke run
+    .venv/bin/python bench/lora.py --parts=decode          # the decode comparison alone
 """
 import argparse
 import json
@@ -37,6 +40,41 @@ SETTINGS = {"full": [], "lora_r8": ["--model.lora_rank=8", "--model.lora_alpha=1
             "lora_r32": ["--model.lora_rank=32", "--model.lora_alpha=64"]}
 
 
+def decode(ckpt, rank=8, rows=64, tokens=32, repeats=3):
+    """The torch generator on LoRA weights, merged (what the trainer's sync gives it: a plain model,
+    oneDNN-packed Linears on CPU) against unmerged (the adapted module itself: each LoRALinear runs
+    its own forward, which the packed path leaves alone). Greedy, the same prompts; best of
+    `repeats` seconds each, and whether the two decode the same tokens."""
+    import time
+    import torch
+    import lora
+    from generator import TorchGenerator
+    from model import Transformer
+    adapted = lora.add(Transformer.from_pretrained(ckpt), rank, 2.0 * rank, seed=0)
+    g = torch.Generator().manual_seed(0)
+    for m in lora.adapted(adapted).values():  # a trained-looking B: zero would be the base
+        m.lora_B.data.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.01)
+    merged = Transformer.from_pretrained(ckpt)
+    full = {n: p.detach() for n, p in adapted.named_parameters()}
+    merged.load_state_dict(lora.fold(full, 2.0), strict=False)  # a tied lm_head is embed_tokens
+    prompts = [[1, 5 + i % 100, 28, 2] for i in range(rows)]
+    out = {}
+    for name, model in (("merged", merged), ("unmerged", adapted)):
+        gen = TorchGenerator(model, tokenizer_path=ckpt)
+        times, ids = [], None
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            ids = [c[0].token_ids for c in gen.generate(prompts, temperature=0.0,
+                                                        max_tokens=tokens, stop_token_ids=[])]
+            times.append(time.perf_counter() - t0)
+        out[name] = dict(seconds=min(times), ids=ids)
+    same = sum(a == b for a, b in zip(out["merged"]["ids"], out["unmerged"]["ids"]))
+    return dict(rows=rows, tokens=tokens, rank=rank, merged_s=out["merged"]["seconds"],
+                unmerged_s=out["unmerged"]["seconds"],
+                unmerged_vs_merged=out["unmerged"]["seconds"] / out["merged"]["seconds"],
+                same_greedy_rows=f"{same}/{rows}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="smollm2 | tiny (the random tiny checkpoint)")
@@ -44,7 +82,11 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="steps run first and not counted")
     p.add_argument("--betas", default="0,0.04", help="loss beta values, comma-separated")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_smollm2.json"))
+    p.add_argument("--parts", default="train,decode",
+                   help="train (the settings under torchrun) and/or decode; one part alone "
+                        "replaces that part in an existing --out")
     a = p.parse_args()
+    parts = a.parts.split(",")
     sys.path.insert(0, str(ROOT))
     import machine
     roof = machine.roofline()  # first: the figures this run's speeds are read against
@@ -54,11 +96,12 @@ def main():
     else:
         config, ckpt = "configs/tiny.py", None
     results = []
-    for beta in (float(b) for b in a.betas.split(",")):
+    for beta in (float(b) for b in a.betas.split(",")) if "train" in parts else ():
         for name, extra in SETTINGS.items():
             with tempfile.TemporaryDirectory() as tmp:
                 rows, rss, wall = step.run_grpo(
-                    [*extra, f"--loss.kwargs={{'beta': {beta}}}", "--rollout.backend=vllm"],
+                    [*extra, f"--loss.kwargs={{'beta': {beta}, 'agg': 'token_mean'}}",
+                     "--rollout.backend=vllm", "--model.dtype=float32"],
                     a.warmup + a.steps + 1, tmp, nproc=2, config=config, ckpt=ckpt)
             rows = rows[a.warmup:a.warmup + a.steps]
             med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
@@ -80,11 +123,25 @@ def main():
         r["sync_bytes_vs_full"] = r["sync_bytes"] / f["sync_bytes"]
         r["step_s_vs_full"] = r["step_s"] / f["step_s"]
         r["trainer_rss_vs_full_mb"] = r["peak_rss_mb"]["rank0"] - f["peak_rss_mb"]["rank0"]
-    out = dict(model=a.model, config=config, steps=a.steps, warmup=a.warmup,
-               layout="1 trainer + 1 vLLM rank (torchrun, gloo)", results=results,
-               goal=dict(sync_bytes_vs_full_at_r8=0.03), machine=roof)
+    out = json.loads(Path(a.out).read_text()) if len(parts) == 1 and Path(a.out).exists() else {}
+    if "train" in parts:
+        out.update(model=a.model, config=config, steps=a.steps, warmup=a.warmup,
+                   layout="1 trainer + 1 vLLM rank (torchrun, gloo)", results=results,
+                   goal=dict(sync_bytes_vs_full_at_r8=0.03), machine=roof)
+    if "decode" in parts:
+        out.update(decode=decode(ckpt or data_tiny(), repeats=3), decode_machine=roof)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    if "decode" in parts:
+        dec = out["decode"]
+        print(f"torch generator decode, {dec['rows']} rows x {dec['tokens']} tokens: merged "
+              f"{dec['merged_s']:.2f} s, unmerged {dec['unmerged_s']:.2f} s "
+              f"({dec['unmerged_vs_merged']:.2f}x), same greedy rows {dec['same_greedy_rows']}")
+
+
+def data_tiny():
+    import data
+    return data.make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", seed=0)
 
 
 if __name__ == "__main__":
