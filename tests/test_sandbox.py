@@ -34,7 +34,10 @@ def leaked():
     return [ln for ln in out.splitlines() if LINGER in ln and "ps -eo" not in ln]
 
 
-def contained(code, status, timeout_s=2.0, **kw):
+def contained(code, status, timeout_s=None, **kw):
+    # a run that must end otherwise than by its time limit gets a generous one: on a busy machine a sandboxed
+    # interpreter's start alone has taken over 2 s
+    timeout_s = timeout_s or (2.0 if status == "timeout" else 20.0)
     r = sandbox.run(code, timeout_s=timeout_s, memory_mb=256, **kw)
     assert r.status == status, (r.status, r.exit, r.stderr[-800:])
     assert r.wall_s < timeout_s + 3, r.wall_s  # killed at the limit, never waited on past it
@@ -139,7 +142,9 @@ def test_pool_runs_at_most_workers_at_a_time():
 # ---- the code reward and the embedded task ------------------------------------------------------------------------
 def test_code_reward_scores_reference_solutions_and_never_shows_the_tests():
     problems = tasks.make_code(60, seed=3)  # the task's own properties: tests/test_tasks.py
-    full, frac = rewards.CodeReward(mode="all"), rewards.CodeReward()
+    # a generous time limit: the reference solutions take milliseconds, but on a busy machine starting a
+    # sandboxed interpreter alone has taken over the reward's default 1 s (a timeout scores 0)
+    full, frac = rewards.CodeReward(mode="all", timeout_s=30.0), rewards.CodeReward(timeout_s=30.0)
     assert [full("", p["solution"], p["target"]) for p in problems] == [1.0] * 60  # the reference lambdas agree
     p = next(q for q in problems if "times x plus" in q["question"])
     wrong = "```python\ndef f(x):\n    return 0\n```"
