@@ -54,8 +54,8 @@ colocated, the engine has `enable_sleep_mode=True` and sleeps around the update,
 load -> KV cache (vLLM 0.32's order and where it is in its source: docs/gpu.md). On CPU the same
 calls run, so the order is tested there.
 
-Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, LoRA,
-stop strings.
+Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, vLLM's
+own LoRA serving (a LoRA run's generators load merged weights: lora.py), stop strings.
 """
 import json
 import os
