@@ -35,8 +35,8 @@ def leaked():
 
 
 def contained(code, status, timeout_s=None, **kw):
-    # a run that must end otherwise than by its time limit gets a generous one: on a busy machine a sandboxed
-    # interpreter's start alone has taken over 2 s
+    # a run that must end otherwise than by its time limit gets a generous one: on a busy
+    # machine a sandboxed interpreter's start alone has taken over 2 s
     timeout_s = timeout_s or (2.0 if status == "timeout" else 20.0)
     r = sandbox.run(code, timeout_s=timeout_s, memory_mb=256, **kw)
     assert r.status == status, (r.status, r.exit, r.stderr[-800:])
@@ -142,8 +142,8 @@ def test_pool_runs_at_most_workers_at_a_time():
 # ---- the code reward and the embedded task ------------------------------------------------------------------------
 def test_code_reward_scores_reference_solutions_and_never_shows_the_tests():
     problems = tasks.make_code(60, seed=3)  # the task's own properties: tests/test_tasks.py
-    # a generous time limit: the reference solutions take milliseconds, but on a busy machine starting a
-    # sandboxed interpreter alone has taken over the reward's default 1 s (a timeout scores 0)
+    # a generous time limit: the reference solutions take milliseconds, but on a busy machine
+    # starting a sandboxed interpreter alone has taken over the reward's default 1 s (0 on timeout)
     full, frac = rewards.CodeReward(mode="all", timeout_s=30.0), rewards.CodeReward(timeout_s=30.0)
     assert [full("", p["solution"], p["target"]) for p in problems] == [1.0] * 60  # the reference lambdas agree
     p = next(q for q in problems if "times x plus" in q["question"])
