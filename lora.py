@@ -42,6 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import seeds
+from model import checkpoint_files
 
 # every Linear of a decoder block (model.py's Attention and MLP), the default target set
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -133,15 +134,6 @@ def fold(full, scale):
     return out
 
 
-def checkpoint_files(path):
-    """{tensor name: safetensors file} of a Hugging Face checkpoint, sharded or not."""
-    index = Path(path, "model.safetensors.index.json")
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    with safe_open(Path(path, "model.safetensors"), framework="pt") as f:
-        return dict.fromkeys(f.keys(), "model.safetensors")
-
-
 class Merger:
     """A generator's side of a LoRA sync: the adapters it receives folded into the base checkpoint
     at `path`, as (hf name, fp32 tensor) in weight_sync's order (decoder blocks first, the rest
@@ -150,14 +142,12 @@ class Merger:
 
     def __init__(self, path, rank, alpha):
         self.path, self.scale = Path(path), alpha / rank
-        files = checkpoint_files(path)
         tied = json.loads((self.path / "config.json").read_text()).get("tie_word_embeddings")
+        files = checkpoint_files(path, bool(tied))
 
         def layer(n):
             return int(n.split(".")[2]) if n.startswith("model.layers.") else 1 << 30
-        # as model.from_pretrained: redundant copies some exporters write are not weights
-        self.files = {n: files[n] for n in sorted(files, key=layer)
-                      if "rotary_emb" not in n and not (n == "lm_head.weight" and tied)}
+        self.files = {n: files[n] for n in sorted(files, key=layer)}
 
     def __call__(self, named):
         """named: the received (name, tensor) adapters (views a later bucket may overwrite)."""

@@ -377,6 +377,20 @@ def chunked_logprobs(hidden, lm_head, targets, temperature=1.0, return_entropy=F
     return tuple(res) if return_entropy else res[0]
 
 
+def checkpoint_files(path, tied: bool) -> dict:
+    """{tensor name: safetensors file} of a Hugging Face checkpoint, sharded (an index) or not,
+    without the redundant copies some exporters write: a tied lm_head, rotary caches."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            files = dict.fromkeys(f.keys(), "model.safetensors")
+    return {n: f for n, f in files.items()
+            if "rotary_emb" not in n and not (n == "lm_head.weight" and tied)}
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -471,20 +485,12 @@ class Transformer(nn.Module):
         with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
             model = cls(cfg)
         expected = dict(model.named_parameters())  # tied lm_head appears once, as embed_tokens
-        index = path / "model.safetensors.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            source = index
-        else:
-            files, source = ["model.safetensors"], path / "model.safetensors"
+        files = checkpoint_files(path, cfg.tie_word_embeddings)
         state = {}
-        for fname in files:
+        for fname in sorted(set(files.values())):
             with safe_open(path / fname, framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for name in (n for n, fn in files.items() if fn == fname):
                     if name not in expected:
-                        if ((name == "lm_head.weight" and cfg.tie_word_embeddings)
-                                or "rotary_emb" in name):
-                            continue  # redundant copies some exporters write
                         raise ValueError(
                             f"{path / fname}: unexpected tensor '{name}' for this config")
                     t = f.get_tensor(name)
@@ -495,6 +501,8 @@ class Transformer(nn.Module):
                     state[name] = t.to(device=device, dtype=dtype)
         missing = [n for n in expected if n not in state]
         if missing:
+            index = path / "model.safetensors.index.json"
+            source = index if index.exists() else path / "model.safetensors"
             raise ValueError(f"{source}: missing tensor '{missing[0]}'"
                              + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
         model.load_state_dict(state, strict=False, assign=True)
