@@ -102,7 +102,8 @@ def vllm_serve(ckpt, rank=8, rows=64, tokens=32, repeats=3):
         for mode, model, adapter in (("merged", Path(tmp, "merged"), None),
                                      ("lora", ckpt, Path(tmp, "adapter"))):
             job = dict(mode=mode, model=str(model), adapter=adapter and str(adapter), rank=rank,
-                       rows=rows, tokens=tokens, repeats=repeats, out=str(Path(tmp, f"{mode}.json")))
+                       rows=rows, tokens=tokens, repeats=repeats,
+                       out=str(Path(tmp, f"{mode}.json")))
             subprocess.run([sys.executable, __file__, "--serve", json.dumps(job)], check=True)
             out[mode] = json.loads(Path(tmp, f"{mode}.json").read_text())
     a, b = out["merged"], out["lora"]
@@ -211,9 +212,10 @@ def main():
               f"({dec['unmerged_vs_merged']:.2f}x), same greedy rows {dec['same_greedy_rows']}")
     if "vllm" in parts:
         v = out["vllm_serve"]
-        print(f"vLLM decode, {v['rows']} rows x {v['tokens']} tokens: merged {v['merged_s']:.2f} s, "
-              f"enable_lora {v['enable_lora_s']:.2f} s ({v['enable_lora_vs_merged']:.2f}x), same "
-              f"greedy rows {v['same_greedy_rows']}, max logprob diff {v['max_logp_diff']:.1e}")
+        print(f"vLLM decode, {v['rows']} rows x {v['tokens']} tokens: merged "
+              f"{v['merged_s']:.2f} s, enable_lora {v['enable_lora_s']:.2f} s "
+              f"({v['enable_lora_vs_merged']:.2f}x), same greedy rows {v['same_greedy_rows']}, "
+              f"max logprob diff {v['max_logp_diff']:.1e}")
 
 
 def data_tiny():
