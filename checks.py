@@ -112,7 +112,8 @@ def grpo(cfg, world_size):
         ("rollout.max_env_chars", c.rollout.max_env_chars >= 1, ">= 1"),
         ("rollout.env_timeout_s", c.rollout.env_timeout_s > 0, "> 0"),
         ("loss.adv_eps", c.loss.adv_eps > 0, "> 0"),
-        ("loss.tis_cap", c.loss.tis_cap >= 0, ">= 0 (0 = off)"),
+        ("loss.correction_c", c.loss.correction_c > 1, "> 1 (C = 1 would cap or mask "
+         "every token whose two policies differ at all)"),
         ("loss.entropy_coef", c.loss.entropy_coef >= 0, ">= 0"),
         ("distill.coef", c.distill.coef > 0, "> 0"),
         ("distill.reward_weight", c.distill.reward_weight >= 0, ">= 0 (0 = pure distillation)"),
@@ -132,6 +133,8 @@ def grpo(cfg, world_size):
     rewards.reward_specs(cfg.rollout.rewards, cfg.rollout.accuracy)  # every named reward imports
     episodes.env_spec(cfg.rollout.env)  # and the env
     loss_cls = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")
+    if cfg.loss.correction:
+        config.named(cfg.loss.correction, losses.CORRECTIONS, "loss.correction", "correction")
     kw = loss_kwargs(cfg, say=lambda msg: print(msg, file=sys.stderr))
     try:
         loss_cls(**kw)

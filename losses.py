@@ -1,6 +1,6 @@
 """Policy-gradient losses for LLM RL post-training: one nn.Module per paper, plus the small pure
-functions around them (advantage estimators, KL estimators, truncated IS weights, DAPO's reward
-shaping).
+functions around them (advantage estimators, KL estimators, off-policy corrections, DAPO's
+reward shaping).
 
 Every loss has the same call (torchforge's contract, extended with the behaviour policy):
 
@@ -33,10 +33,10 @@ Padding hygiene: each loss first overwrites the padding slots of lp/old/ref/A wi
 (not m*x, since 0 * inf = NaN), so junk there cannot reach the value and the gradient at padding is
 exactly 0.
 
-Train/inference mismatch: pass the trainer's old_logprobs and A[:, None] * tis_weights(old,
-vllm_logp, ...) as (B, T) advantages. Every loss here is positively homogeneous in A per token
-(clip/gate patterns depend only on sign(A)), so this is exactly weighting each token's loss by its
-truncated IS weight.
+Train/inference mismatch and staleness: pass the trainer's old_logprobs and
+A[:, None] * correction_weights(name, old, gen_logp, ...) as (B, T) advantages. Every loss here is
+positively homogeneous in A per token (clip/gate patterns depend only on sign(A)), so this is
+exactly weighting each token's loss by its correction weight.
 Entropy bonus: add entropy_bonus(entropy, mask, coef) to the loss (entropy from
 model.forward(return_entropy=True)).
 
@@ -470,24 +470,62 @@ def overlong_penalty(lengths, max_len, cache_len):
                        torch.where(L <= max_len, (soft - L) / cache_len, -1.0)).to(L.dtype)
 
 
-def tis_weights(logp, gen_logp, mask, cap, level="token"):
-    """Truncated IS weights for the trainer/generator mismatch (vLLM's logprobs differ from the
-    trainer's even for the same weights; Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"; verl rollout_is). logp: the trainer's logprobs of the
-    behaviour policy; gen: the generator's.
-        token: w_t = min(exp(logp_t - gen_t), cap);
-        sequence: w_i = min(exp(sum_t m (logp_t - gen_t)), cap)
-    Detached, 0 on padding, (B, T). Use: loss_fn(lp, ref, A[:, None] * w, mask,
-    old_logprobs=logp)."""
+# ---- off-policy corrections: the policy that sampled (the generator's logprobs, gen) is not the
+# one the loss treats as behaviour (old: the trainer's score of it; sg(lp) on-policy): numerics
+# (bf16, kernels) and staleness (the generator ran k versions behind) both open the gap. Each rule
+# maps d = log rho = old - gen (B, T), 0 on padding, to a weight per token; the trainer multiplies
+# the advantages by it (the losses are positively homogeneous in A, so this weights each token's
+# loss; masked tokens still count in the loss's normaliser). C = loss.correction_c. Worked
+# examples: docs/losses-spec.md section 13. On-policy with exact numerics (d = 0) each is 1.
+
+def tis(d, mask, c):
+    """Truncated IS, token level (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"):  w_t = min(rho_t, C)."""
+    return torch.exp(d.clamp(max=math.log(c)))  # capped in log space: exp may overflow first
+
+
+def seq_tis(d, mask, c):
+    """Truncated IS, sequence level:  w_i = min(prod_t rho_t, C) on every token of sequence i."""
+    return torch.exp(d.sum(-1, keepdim=True).clamp(max=math.log(c))).expand_as(d)
+
+
+def icepop(d, mask, c):
+    """IcePop (Ling Team 2025, Ring-1T): a token whose two policies disagree beyond a band is
+    dropped rather than capped:  w_t = rho_t if 1/C <= rho_t <= C, else 0."""
+    keep = d.abs() <= math.log(c)
+    return torch.where(keep, torch.exp(d.clamp(max=math.log(c))), 0.0)
+
+
+def seq_mis(d, mask, c):
+    """Masked IS, sequence level (Liu, Li et al. 2025, "When Speed Kills Stability"): a sequence
+    whose IS ratio exceeds C is rejected:  w_i = rho_i if rho_i = prod_t rho_t <= C, else 0."""
+    s = d.sum(-1, keepdim=True)
+    return torch.where(s <= math.log(c), torch.exp(s.clamp(max=math.log(c))), 0.0).expand_as(d)
+
+
+def geo_mask(d, mask, c):
+    """Geometric-mean rejection (same source, part 3): sequence i is kept with weight 1 iff its
+    per-token geometric mean ratio (prod_t rho_t)^(1/n_i) lies in [1/C, C], else dropped (0); no
+    reweighting. The mean does not grow with length, so C is tight (e.g. 1.001)."""
+    g = d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return (g.abs() <= math.log(c)).to(d.dtype).expand_as(d)
+
+
+CORRECTIONS = {"tis": tis, "seq_tis": seq_tis, "icepop": icepop, "seq_mis": seq_mis,
+               "geo_mask": geo_mask}
+
+
+def correction_weights(rule, old_logp, gen_logp, mask, c):
+    """The weights of `rule`, a key of CORRECTIONS or a function with their call (d, mask, c) ->
+    (B, T) (loss.correction = "file.py:fn"): detached, 0 on padding, (B, T). Use: loss_fn(lp, ref,
+    A * w, mask, old_logprobs=old_logp)."""
+    if isinstance(rule, str):
+        if rule not in CORRECTIONS:
+            raise ValueError(f"correction must be one of {sorted(CORRECTIONS)}, got {rule!r}")
+        rule = CORRECTIONS[rule]
     keep = mask.bool()
-    d = torch.where(keep, (logp - gen_logp).detach(), 0.0)
-    if level == "sequence":
-        d = d.sum(-1, keepdim=True).expand_as(d)
-    elif level != "token":
-        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
-    # clamp in log space: exp(sum) may overflow before the cap
-    w = torch.exp(d.clamp(max=math.log(cap)))
-    return torch.where(keep, w, 0.0)
+    d = torch.where(keep, (old_logp - gen_logp).detach(), 0.0)
+    return torch.where(keep, rule(d, mask, c).detach(), 0.0)
 
 
 def entropy_bonus(entropy, mask, coef):

@@ -19,7 +19,9 @@ This file holds both loops: main() on the trainer ranks and generator_loop() on 
 ranks, which read one schedule(s) and issue the same collectives in the same order. A step's batch
 (prompts, generation, collection, refill, eval) is rollout.py's.
 With `rollout.max_staleness = 1` the generators run one batch ahead; their logprobs then serve as
-old_logp, so the PPO ratio is taken against the policy that actually sampled.
+old_logp, so the PPO ratio is taken against the policy that actually sampled. A `loss.correction`
+(losses.CORRECTIONS: truncated IS, IcePop, masked IS, a geometric-mean mask) instead weighs each
+token by pi_old / pi_gen, pi_old being the trainer's own policy: the numeric gap and staleness.
 
 Deliberate departures from the papers:
 - the KL term and loss aggregation follow losses.py's canonical choices (see its docstring);
@@ -158,7 +160,11 @@ class Loss:
                                     # dr_grpo | rloo | reinforce_pp) or "file.py:fn", fn(rewards,
                                     # batch) -> (B, G) or (B*G, T)
     adv_eps: float = 1e-6           # std guard of the z-score estimators (those that take `eps`)
-    tis_cap: float = 0.0            # >0: truncated IS weight min(pi_train/pi_gen, cap) per token
+    correction: str = ""            # off-policy correction of the advantages per token, from
+                                    # rho = pi_old / pi_gen (losses.CORRECTIONS: tis | seq_tis |
+                                    # icepop | seq_mis | geo_mask, or "file.py:fn"); "" = off
+    correction_c: float = 2.0       # its threshold C: tis caps rho at C, icepop keeps [1/C, C],
+                                    # seq_mis rejects prod rho > C, geo_mask wants ~1.001
     entropy_coef: float = 0.0       # entropy bonus (subtracted from the loss)
 
 
@@ -274,7 +280,8 @@ def advantages(r, batch, lengths, cfg):
     return kl + d.reward_weight * adv if d.teacher else adv
 
 
-def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step):
+def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step,
+           correction=None):
     """ppo_epochs x minibatches optimizer steps on this rank's batch: micro-batches -> loss ->
     backward -> clip -> step. Returns the update's mean metrics, the number of skipped (non-finite)
     steps, and each row's logp from epoch 0 (the policy before any step when there is one
@@ -298,14 +305,14 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
                 if epoch == 0:
                     first_logp[rows] = logp.detach().cpu()
                 mb_adv = at(adv).expand_as(logp)  # (rows, 1) or (rows, T) -> (rows, T)
-                mb_adv, tis_stats = truncated_is(mb_adv, logp, at(old_logp),
-                                                 at(batch["gen_logp"]), mask, cfg.loss.tis_cap)
+                mb_adv, is_stats = corrected(mb_adv, correction, logp, at(old_logp),
+                                             at(batch["gen_logp"]), mask, cfg.loss.correction_c)
                 loss, stats = loss_fn(logp, at(ref_logp), mb_adv, mask,
                                       old_logprobs=at(old_logp))
                 # test hook: this step's loss is NaN (tests/test_faults.py)
                 loss = dist.fault_nan(loss, step)
                 stats["loss/entropy"] = losses.masked_mean(ent.detach(), mask)
-                stats.update(tis_stats)
+                stats.update(is_stats)
                 if cfg.loss.entropy_coef:
                     loss = loss + losses.entropy_bonus(ent, mask, cfg.loss.entropy_coef)
                 (loss * len(rows) / len(mb_rows)).backward()
@@ -328,16 +335,18 @@ def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, devi
     return sums, skipped, first_logp
 
 
-def truncated_is(adv, logp, old_logp, gen_logp, mask, cap):
-    """loss.tis_cap > 0: advantages weighted by min(pi_old / pi_gen, cap) per token, detached
-    (losses.tis_weights: the trainer-vs-generator mismatch), and how often the cap engages. pi_old
-    is sg(logp) when on-policy."""
-    if cap <= 0:
+def corrected(adv, rule, logp, old_logp, gen_logp, mask, c):
+    """loss.correction: the advantages times the rule's weight per token, from rho = pi_old /
+    pi_gen (losses.CORRECTIONS; pi_old is sg(logp) when old_logp is None), and what it did: the
+    mean weight, the share of real tokens capped at C and the share masked (weight 0)."""
+    if rule is None:
         return adv, {}
-    w = losses.tis_weights(logp.detach() if old_logp is None else old_logp, gen_logp, mask, cap)
+    w = losses.correction_weights(rule, logp.detach() if old_logp is None else old_logp,
+                                  gen_logp, mask, c)
     return adv * w, {
-        "loss/tis_capped_frac": losses.masked_mean((w >= cap * (1 - 1e-6)).float(), mask),
-        "loss/tis_weight_mean": losses.masked_mean(w, mask)}
+        "loss/is_weight_mean": losses.masked_mean(w, mask),
+        "loss/is_capped_frac": losses.masked_mean((w >= c * (1 - 1e-6)).float(), mask),
+        "loss/is_masked_frac": losses.masked_mean((w == 0).float(), mask)}
 
 
 def accumulate(sums, stats, w):
@@ -434,6 +443,8 @@ def main(argv=None):
     model = run.load_model(path, roles.device, mesh, cfg, adapters=cfg.model if lora_rank else None)
     loss_fn = config.named(cfg.loss.name, losses.LOSSES, "loss.name", "loss")(
         **checks.loss_kwargs(cfg))
+    correction = (config.named(cfg.loss.correction, losses.CORRECTIONS, "loss.correction",
+                               "correction") if cfg.loss.correction else None)
     # log.drift measures against the start weights too; with LoRA they are the policy's own base
     # (adapters off): no second copy
     kl_in_loss = getattr(loss_fn, "beta", 0.0) > 0
@@ -497,24 +508,27 @@ def main(argv=None):
         if ro.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         # 4e. reference and old logprobs (no grad), only when the loss needs them. pi_old: the
-        # sampler's logprobs when stale; on-policy with one optimizer step, sg(logp) inside the
-        # loss; with several, the policy before them, scored once. With minibatches > 1 it is
-        # scored even when stale: mismatch and drift measure against it (4h)
+        # sampler's logprobs when stale (the PPO ratio is taken against what sampled); on-policy
+        # with one optimizer step, sg(logp) inside the loss; with several, the policy before them,
+        # scored once. With a loss.correction, pi_old is the trainer's own policy even when stale
+        # (decoupled PPO: the clip bounds the update, the correction weighs pi_old / pi_gen). With
+        # minibatches > 1 it is scored even when stale: mismatch and drift measure against it (4h)
         with metrics.timed(perf, "perf/ref_s"):
             ref_logp = (packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp)
                         if ref is not None else None)
         with metrics.timed(perf, "perf/old_s"):
             stale, tr = ro.max_staleness > 0, cfg.train
+            own_old = not stale or correction is not None
             pre_logp = (packing.no_grad_logp(model, batch, tr.micro_batch, temp)
-                        if tr.minibatches > 1 or (not stale and tr.ppo_epochs > 1) else None)
-            old_logp = batch["gen_logp"] if stale else pre_logp
+                        if tr.minibatches > 1 or (own_old and tr.ppo_epochs > 1) else None)
+            old_logp = pre_logp if own_old else batch["gen_logp"]
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with metrics.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: the engine's memory freed (CPU: none)
                 gen.sleep(keep_weights=not plan.sync)  # new weights follow: no need to keep the old
             stats, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
                                             ref_logp if kl_in_loss else None, old_logp, cfg,
-                                            roles.device, s)
+                                            roles.device, s, correction)
         train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # before this update
         perf["perf/update_gflops"] = stats["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         if cfg.log.drift:

@@ -22,10 +22,12 @@ train.steps = 40
 train.micro_batch = 16              # 64 sequences / 16 = 4 forward/backward passes per step (bounds activation memory)
 dist.generator_ranks = 0            # colocated: rollout.backend "auto" picks the generator
 #                                   # (engine.default_backend)
-model.dtype = "auto"                # bf16 only where this CPU's bf16 matmuls are faster (machine.py): on an AVX-512
-#                                   # BF16 box steps ran 1.5x faster (bench/vs_trl.py: 12.0 vs 17.9 s), at a train/
-#                                   # generator mismatch of 0.037 per token (fp32: 2e-6; loss.tis_cap covers it); on
-#                                   # an AVX2 box bf16 matmuls ran ~400x slower than fp32, and auto keeps fp32
+model.dtype = "auto"                # bf16 only where this CPU's bf16 matmuls are faster
+#                                   # (machine.py): on an AVX-512 BF16 box steps ran 1.5x faster
+#                                   # (bench/vs_trl.py: 12.0 vs 17.9 s), at a train/generator
+#                                   # mismatch of 0.037 per token (fp32: 2e-6; loss.correction
+#                                   # covers it); on an AVX2 box bf16 matmuls ran ~400x slower
+#                                   # than fp32, and auto keeps fp32
 eval.every = 10
 eval.num_problems = 200             # held-out greedy pass@1; +-0.03 binomial noise at 0.25
 log.run = "smollm2_cpu"

@@ -35,7 +35,7 @@ RUNS = {  # name -> (launcher processes (0: plain python), trainer, arguments)
     "stale_refill": (0, "train_grpo.py", ["--rollout.backend=torch", "--rollout.max_staleness=1",
                                           "--rollout.filter_zero_std=True",
                                           "--rollout.refill_rounds=1", "--train.minibatches=2",
-                                          "--loss.tis_cap=2.0", "--log.drift=True"]),
+                                          "--loss.correction=tis", "--log.drift=True"]),
     "vllm_rank": (2, "train_grpo.py", ["--rollout.backend=vllm", "--dist.generator_ranks=1"]),
     "sft": (0, "train_sft.py", ["--train.steps=4", "--eval.every=2", "--eval.num_problems=16",
                                 "--log.plot_every_s=-1"]),

@@ -232,6 +232,21 @@ def test_staleness_beyond_one_batch_is_refused_not_silently_one(tiny_ckpt):
         checks.grpo(train_grpo.parse_config([*base, "--rollout.max_staleness=2"]), 1)
 
 
+def test_loss_correction_names_a_rule_or_a_user_file_and_a_threshold_above_one(tiny_ckpt, tmp_path):
+    import train_grpo
+    base = [str(ROOT / "configs" / "tiny.py"), f"--model.path={tiny_ckpt}"]
+    for name in ("tis", "seq_tis", "icepop", "seq_mis", "geo_mask"):
+        checks.grpo(train_grpo.parse_config([*base, f"--loss.correction={name}"]), 1)
+    (tmp_path / "rule.py").write_text("def half(d, mask, c):\n    return 0.5 + 0 * d\n")
+    rule = f"--loss.correction={tmp_path / 'rule.py'}:half"
+    checks.grpo(train_grpo.parse_config([*base, rule]), 1)
+    with pytest.raises(config.ConfigError,
+                       match="loss.correction: unknown correction 'ice_pop'.*'icepop'"):
+        checks.grpo(train_grpo.parse_config([*base, "--loss.correction=ice_pop"]), 1)
+    with pytest.raises(config.ConfigError, match="loss.correction_c=1.0 must be > 1"):
+        checks.grpo(train_grpo.parse_config([*base, "--loss.correction_c=1.0"]), 1)
+
+
 def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
     """SimpleGRPO's ratio is always 1 (it ignores old_logprobs): stale batches or several updates per batch get a
     warning at config time, naming the fields; on-policy with one update it says nothing."""

@@ -16,7 +16,7 @@ from losses import (LOSSES, CISPOLoss, DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss,
                     SimpleGRPOLoss, distill_advantages, dr_grpo_advantages, entropy_bonus,
                     group_advantages,
                     kl_estimate, overlong_penalty, reinforce_pp_advantages, rloo_advantages,
-                    tis_weights, zero_std_groups)
+                    correction_weights, zero_std_groups)
 
 D = torch.float64
 ATOL = 1e-6
@@ -199,25 +199,75 @@ def test_zero_std_groups_and_overlong():
     assert close(p, [0.0, 0.0, -0.5, -1.0, -1.0])
 
 
-def test_tis_weights():
-    lp = t([[-1.0, -2.0, -0.5], [-1.0, -1.0, -9.0]])
-    gen = t([[-1.5, -1.0, -0.5], [-0.5, -0.5, 0.0]])
-    mask = t([[1, 1, 1], [1, 1, 0]])
-    wt = tis_weights(lp, gen, mask, cap=1.5, level="token")
-    assert close(wt, [[1.5, math.exp(-1), 1.0], [math.exp(-0.5), math.exp(-0.5), 0]])
-    ws = tis_weights(lp, gen, mask, cap=2.0, level="sequence")
-    assert close(ws, [[math.exp(-0.5)] * 3, [math.exp(-1)] * 2 + [0]])
-    ws = tis_weights(t([[500.0, 500.0]]), t([[0.0, 0.0]]), t([[1, 1]]), cap=2.0, level="sequence")
-    assert close(ws, [[2.0, 2.0]])  # no overflow to inf/NaN before the cap
-    lpg = lp.clone().requires_grad_(True)
-    assert not tis_weights(lpg, gen, mask, 2.0).requires_grad  # detached
+# docs/losses-spec.md section 13: old = F's lp (the trainer's score of the behaviour policy), gen =
+# F's old (the generator's), so rho = F's r; C = 1.2 (geo_mask also at 1.1)
+E13 = {"tis": [[1.105171, 0.904837, 1.2], [1.2, 0.740818, 0]],
+       "seq_tis": [[1.2, 1.2, 1.2], [0.904837, 0.904837, 0]],
+       "icepop": [[1.105171, 0.904837, 0], [0, 0, 0]],
+       "seq_mis": [[0, 0, 0], [0.904837, 0.904837, 0]],
+       "geo_mask": [[1, 1, 1], [1, 1, 0]]}
 
 
-def test_tis_folds_into_per_token_advantages():
+@pytest.mark.parametrize("name", sorted(E13))
+def test_correction_worked_examples(name):
+    assert close(correction_weights(name, LP, OLD, M, 1.2), E13[name])
+    assert close(correction_weights(name, LP, LP, M, 1.2), M)  # on-policy, exact numerics: w = 1
+    lpg = LP.clone().requires_grad_(True)
+    assert not correction_weights(name, lpg, OLD, M, 1.2).requires_grad  # detached
+
+
+def test_geo_mask_tight_threshold_and_no_overflow():
+    # row means of log rho: 0.1 and -0.05 -> at C = 1.1 row 0 (1.105) is out, row 1 (0.951) in
+    assert close(correction_weights("geo_mask", LP, OLD, M, 1.1), [[0, 0, 0], [1, 1, 0]])
+    big, zero, ones = t([[500.0, 500.0]]), t([[0.0, 0.0]]), t([[1, 1]])
+    for name, want in (("tis", [[2.0, 2.0]]), ("seq_tis", [[2.0, 2.0]]), ("icepop", [[0, 0]]),
+                       ("seq_mis", [[0, 0]]), ("geo_mask", [[0, 0]])):
+        assert close(correction_weights(name, big, zero, ones, 2.0), want), name  # no inf/NaN
+
+
+def loop_correction(name, old, gen, mask, c):
+    """Slow reference: plain floats, one sequence and one token at a time."""
+    out = torch.zeros_like(mask)
+    for i in range(mask.shape[0]):
+        toks = [j for j in range(mask.shape[1]) if mask[i, j] > 0]
+        rho = {j: math.exp(float(old[i, j]) - float(gen[i, j])) for j in toks}
+        seq = math.prod(rho.values())
+        geo = seq ** (1 / len(toks)) if toks else 1.0
+        for j in toks:
+            out[i, j] = {"tis": min(rho[j], c), "seq_tis": min(seq, c),
+                         "icepop": rho[j] if 1 / c <= rho[j] <= c else 0.0,
+                         "seq_mis": seq if seq <= c else 0.0,
+                         "geo_mask": 1.0 if 1 / c <= geo <= c else 0.0}[name]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(losses.CORRECTIONS))
+def test_corrections_match_a_slow_loop_off_policy(name):
+    # a constructed off-policy batch: gen drawn 0.3 nats around old, junk in the padding
+    for seed in range(3):
+        _, old, _, _, mask = rand_batch(seed)
+        g = torch.Generator().manual_seed(100 + seed)
+        noise = 0.3 * torch.randn(old.shape, generator=g, dtype=D)
+        gen = torch.where(mask.bool(), old + noise, 77.0)
+        for c in (1.05, 1.5, 4.0):
+            w = correction_weights(name, old, gen, mask, c)
+            assert close(w, loop_correction(name, old, gen, mask, c), 1e-9), (seed, c)
+        assert 0 < float(w.sum()) and bool((w[~mask.bool()] == 0).all())
+
+
+def test_correction_takes_a_user_rule_and_refuses_unknown_names():
+    half = lambda d, mask, c: torch.full_like(d, 0.5)  # noqa: E731  (a user's rule: any function)
+    assert close(correction_weights(half, LP, OLD, M, 2.0), 0.5 * M)
+    with pytest.raises(ValueError, match="icepop"):
+        correction_weights("ice_pop", LP, OLD, M, 2.0)
+
+
+def test_correction_folds_into_per_token_advantages():
     # loss(A * w) == sum_t w_t * l_t / N for a token-mean loss: l_t read off single-token masks
     lp, old, ref, adv, mask = rand_batch(3)
-    w = tis_weights(old + 0.1 * torch.randn(old.shape, dtype=D, generator=torch.Generator().manual_seed(1)),
-                    old, mask, cap=1.2)
+    g = torch.Generator().manual_seed(1)
+    w = correction_weights("tis", old + 0.1 * torch.randn(old.shape, dtype=D, generator=g), old,
+                           mask, 1.2)
     loss_w, _, _ = run(DAPOLoss(), lp, None, adv[:, None] * w, mask, old)
     total = 0.0
     for i, j in mask.nonzero().tolist():
@@ -615,7 +665,7 @@ def test_constructor_validation_and_registry():
     with pytest.raises(ValueError):
         GSPOLoss(level="tok")
     with pytest.raises(ValueError):
-        tis_weights(LP, OLD, M, 2.0, level="seq")
+        correction_weights("seq", LP, OLD, M, 2.0)
 
 
 def test_entropy_bonus():

@@ -69,13 +69,15 @@ def test_multinode_rendezvous_two_agents(tmp_path, start_ckpt):
     assert [r["step"] for r in rows] == [1, 2]
 
 
-def test_bf16_trains_logs_mismatch_and_tis_engages(tmp_path, start_ckpt):
-    """model.dtype=bfloat16 on CPU, one process, the torch generator colocated (in bf16 too, as on a GPU without
-    vLLM): FSDP2 computes in bf16 over fp32 master weights and reduces in fp32. Oracle: the same run in fp32, where
-    trainer and generator agree to float rounding. The entropy bonus gives a gradient although the random model
-    earns no reward. A cap of 1.001 (log 1e-3) sits inside bf16's mismatch and far outside fp32's."""
+def test_bf16_trains_logs_mismatch_and_the_correction_engages(tmp_path, start_ckpt):
+    """model.dtype=bfloat16 on CPU, one process, the torch generator colocated (in bf16 too, as on a
+    GPU without vLLM): FSDP2 computes in bf16 over fp32 master weights and reduces in fp32. Oracle:
+    the same run in fp32, where trainer and generator agree to float rounding. The entropy bonus
+    gives a gradient although the random model earns no reward. Truncated IS capped at 1.001
+    (log 1e-3) sits inside bf16's mismatch and far outside fp32's."""
     common = [f"--model.path={start_ckpt}", "--train.steps=3", "--dist.generator_ranks=0",
-              "--rollout.backend=torch", "--loss.tis_cap=1.001", "--loss.entropy_coef=0.01", "--eval.every=0"]
+              "--rollout.backend=torch", "--loss.correction=tis", "--loss.correction_c=1.001",
+              "--loss.entropy_coef=0.01", "--eval.every=0"]
     rows = {}
     for dtype in ("bfloat16", "float32"):
         run([*common, f"--model.dtype={dtype}", f"--log.run={dtype}"], tmp_path, nproc=0)
@@ -83,12 +85,15 @@ def test_bf16_trains_logs_mismatch_and_tis_engages(tmp_path, start_ckpt):
         assert [r["step"] for r in rows[dtype]] == [1, 2, 3]
     for b, f in zip(rows["bfloat16"], rows["float32"]):
         print(f"step {b['step']}: mismatch/abs_diff bf16 {b['mismatch/abs_diff']:.2e} "
-              f"fp32 {f['mismatch/abs_diff']:.2e}, "
-              f"tis capped bf16 {b['loss/tis_capped_frac']:.3f} fp32 {f['loss/tis_capped_frac']:.3f}")
-        assert math.isfinite(b["loss/total"]) and 0 < b["train/grad_norm"] < math.inf and b["train/skipped_steps"] == 0
-        assert 1e-4 < b["mismatch/abs_diff"] < 0.1 and f["mismatch/abs_diff"] < 1e-5  # logged, and bf16's is real
-        assert b["loss/tis_capped_frac"] > 0.01 and f["loss/tis_capped_frac"] == 0  # the cap engages on bf16's
-        assert b["loss/tis_weight_mean"] < 1.0
+              f"fp32 {f['mismatch/abs_diff']:.2e}, tis capped bf16 {b['loss/is_capped_frac']:.3f} "
+              f"fp32 {f['loss/is_capped_frac']:.3f}")
+        assert math.isfinite(b["loss/total"]) and 0 < b["train/grad_norm"] < math.inf
+        assert b["train/skipped_steps"] == 0
+        # logged, and bf16's is real
+        assert 1e-4 < b["mismatch/abs_diff"] < 0.1 and f["mismatch/abs_diff"] < 1e-5
+        # the cap engages on bf16's
+        assert b["loss/is_capped_frac"] > 0.01 and f["loss/is_capped_frac"] == 0
+        assert b["loss/is_weight_mean"] < 1.0
 
 
 def test_drift_metrics_measure_without_changing_the_run(tmp_path, start_ckpt):
@@ -208,14 +213,23 @@ def test_dynamic_sampling_refills_to_b_informative_groups_and_resumes(tmp_path, 
 
 
 def test_colocated_staleness_one_trains_on_the_previous_weights_samples(tmp_path, start_ckpt):
-    """Colocated with max_staleness=1: batch s+1 is sampled before the update on batch s, so from step 2 on every
-    completion is exactly one version old and the PPO ratio against the generator's logprobs is not 1."""
-    run([f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch", "--train.steps=3",
-         "--rollout.max_staleness=1", "--loss.entropy_coef=0.01", "--optim.lr=0.01", "--eval.every=0",
+    """Colocated with max_staleness=1: batch s+1 is sampled before the update on batch s, so from
+    step 2 on every completion is exactly one version old and the trainer's policy differs from the
+    sampler's. A loss.correction sees that gap: truncated IS at C = 1.001 caps nothing on step 1
+    (one version, fp32) and caps tokens from step 2 on. (It used to compare the sampler with itself
+    when stale, and weigh every token 1.) Its pi_old is the trainer's own policy, so the PPO ratio
+    is 1 and nothing is clipped."""
+    run([f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch",
+         "--train.steps=3", "--rollout.max_staleness=1", "--loss.entropy_coef=0.01",
+         "--optim.lr=0.01", "--eval.every=0", "--loss.correction=tis", "--loss.correction_c=1.001",
          "--log.run=c"], tmp_path, nproc=0)
     rows = [r for r in metrics(tmp_path / "c" / "metrics.jsonl") if "perf/step_s" in r]
     assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
-    assert rows[0]["mismatch/abs_diff"] < 1e-5 < rows[1]["mismatch/abs_diff"]  # the policy moved in between
+    # the policy moved in between
+    assert rows[0]["mismatch/abs_diff"] < 1e-5 < rows[1]["mismatch/abs_diff"]
+    assert rows[0]["loss/is_capped_frac"] == 0
+    assert rows[0]["loss/is_weight_mean"] == pytest.approx(1, abs=1e-4)
+    assert all(r["loss/is_capped_frac"] > 0.01 and r["loss/clip_frac"] == 0 for r in rows[1:])
 
 
 def test_mismatch_and_drift_measure_the_policy_before_the_update_with_four_minibatches(
