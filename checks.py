@@ -100,9 +100,8 @@ def grpo(cfg, world_size):
         ("rollout.backend", c.rollout.backend in ("vllm", "torch", "auto"), "vllm, torch or auto"),
         ("rollout.kv_cache_mb", c.rollout.kv_cache_mb >= 0, ">= 0 (0: one step's worth)"),
         ("rollout.gpu_memory_utilization", 0 < c.rollout.gpu_memory_utilization <= 1, "in (0, 1]"),
-        # the generators run at most one batch ahead (rollout.py): a larger bound would be silent
-        ("rollout.max_staleness", c.rollout.max_staleness in (0, 1),
-         "0 (on-policy) or 1 (one batch ahead); more than one step of staleness is not built"),
+        ("rollout.max_staleness", c.rollout.max_staleness >= 0,
+         ">= 0 (0: on-policy; k: the generators run up to k batches ahead)"),
         ("rollout.refill_rounds", c.rollout.refill_rounds >= 0, ">= 0"),
         ("rollout.overlong_cache", 0 <= c.rollout.overlong_cache < c.rollout.max_tokens,
          ">= 0 and < rollout.max_tokens"),

@@ -42,7 +42,9 @@ def rollout_stats(r, correct, lengths, groups, batch, step, env):
             # or every sample wrong (out of reach at this temperature)
             "rollout/all_right_frac": float((correct >= 1).all(1).float().mean()),
             "rollout/all_wrong_frac": float((correct < 1).all(1).float().mean()),
+            # versions between the policy that sampled and the one that trains (rollout.py)
             "rollout/staleness": float((step - batch["version"]).mean()),
+            "rollout/staleness_max": float((step - batch["version"]).max()),
             **(episodes.stats(groups) if env else {})}
 
 

@@ -18,13 +18,15 @@ A dedicated generator rank runs train_grpo.generator_loop, beside main(): both r
 train_grpo.schedule for what happens at step s (the batch, all_gather_object; the weight sync,
 broadcast; the eval, one all_gather_object, two with pass@k), so they never disagree about what
 comes next; if they did, the run would hang until `dist.timeout_s`. With
-`rollout.max_staleness = 1` the generator produces batch s+1 right after handing over batch s,
-before that sync, so it generates while the trainers update on batch s: a one-batch pipeline whose
-weights are at most one version old (each completion carries the version that sampled it).
+`rollout.max_staleness = k` the generator produces batch s+k right after handing over batch s,
+before that sync, so it generates while the trainers update on batch s: a k-batch pipeline whose
+weights are at most k versions old (each completion carries the version that sampled it). A run's
+first step fills the pipeline: batches s+1..s+k, all by the same weights, so staleness climbs
+0, 1, ..., k over the first k steps and then holds at k.
 
-Colocated (`dist.generator_ranks = 0`) with `max_staleness = 1`, a trainer generates batch s+1
-before it updates on batch s: the same data as the pipeline (batch s sampled by the weights one
-version old), without the overlap, so a loss's behaviour under staleness can be measured on one CPU
+Colocated (`dist.generator_ranks = 0`) with `max_staleness = k`, a trainer generates batch s+k
+before it updates on batch s: the same data as the pipeline (batch s sampled by the weights k
+versions old), without the overlap, so a loss's behaviour under staleness can be measured on one CPU
 process.
 
 DAPO's dynamic sampling (`rollout.filter_zero_std`) refills the batch: a group whose G rewards are
@@ -43,11 +45,11 @@ generate_share plays whole episodes where it would sample completions; everythin
 collection, refill, staleness, eval) is unchanged, and score adds each episode's env reward to the
 rewards of its last reply.
 
-Left out: running more than one batch ahead (max_staleness > 1 is a config error), overlapping
-generation and training in colocated mode, and streaming or partial rollouts (a step's batch is
-collected whole). A run resumed at step s with staleness 1 samples batch s with the restored
-weights (version s, not s-1: the checkpoint holds no older weights), so its first batch is
-on-policy; the prompts are the same.
+Left out: overlapping generation and training in colocated mode, and streaming or partial rollouts
+(a step's batch is collected whole). What was generated ahead is not checkpointed: a run resumed
+at step s with staleness k regenerates batches s..s+k with the restored weights (version s; the
+checkpoint holds no older weights), so its first batch is on-policy and staleness climbs again;
+the prompts and sampling seeds are the same, so two resumes from one checkpoint agree exactly.
 """
 import time
 

@@ -18,7 +18,7 @@ each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. 
 This file holds both loops: main() on the trainer ranks and generator_loop() on dedicated generator
 ranks, which read one schedule(s) and issue the same collectives in the same order. A step's batch
 (prompts, generation, collection, refill, eval) is rollout.py's.
-With `rollout.max_staleness = 1` the generators run one batch ahead; their logprobs then serve as
+With `rollout.max_staleness = k` the generators run k batches ahead; their logprobs then serve as
 old_logp, so the PPO ratio is taken against the policy that actually sampled. A `loss.correction`
 (losses.CORRECTIONS: truncated IS, IcePop, masked IS, a geometric-mean mask) instead weighs each
 token by pi_old / pi_gen, pi_old being the trainer's own policy: the numeric gap and staleness.
@@ -125,7 +125,7 @@ class Rollout:
                                     # module a fork changed is left as is)
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode
                                     # is launch-bound)
-    max_staleness: int = 0          # 0 on-policy; 1: generate batch s+1 while training on s
+    max_staleness: int = 0          # 0 on-policy; k: generate batch s+k while training on s
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all
                                     # equal, and refill
     refill_rounds: int = 4          # dynamic sampling: at most this many extra rounds of B prompts
@@ -360,16 +360,19 @@ def accumulate(sums, stats, w):
 class Plan:
     """What happens at step s besides its update. One function decides it (`schedule`) for both
     loops, main() and generator_loop(), which must issue the same collectives in the same order."""
-    ahead: bool  # generate batch s+1 before the update on batch s (rollout.max_staleness = 1)
+    ahead: tuple  # the later batches to generate before the update on batch s, by the weights
+                  # that sampled it: rollout.max_staleness = k gives s+k (s+1..s+k at a run's
+                  # first step, resumed or not)
     sync: bool   # weights to the generators after the update: every dist.sync_interval steps, and
                  # before an eval
     eval: bool   # held-out eval after the update: every eval.every steps, and after the last
     ckpt: bool   # a checkpoint after the step, every ckpt.every steps (trainer ranks only)
 
 
-def schedule(s, cfg) -> Plan:
-    ev = run.eval_due(s, cfg)
-    return Plan(ahead=bool(cfg.rollout.max_staleness) and s + 1 < cfg.train.steps,
+def schedule(s, cfg, start=0) -> Plan:
+    ev, k = run.eval_due(s, cfg), cfg.rollout.max_staleness
+    first = s + 1 if s == start else max(s + k, s + 1)  # a run's first step fills the pipeline
+    return Plan(ahead=tuple(range(first, min(s + k, cfg.train.steps - 1) + 1)),
                 sync=(s + 1) % cfg.dist.sync_interval == 0 or ev, eval=ev,
                 ckpt=run.checkpoint_due(s + 1, cfg))
 
@@ -465,7 +468,7 @@ def main(argv=None):
     producer, num_producers = roles.trainer_ranks.index(roles.rank), len(roles.trainer_ranks)
     log = metrics.RunLog(cfg, out, start, roles.rank == 0, SHOWN,
                          logs=("metrics.jsonl", "prompts.jsonl"))
-    num_failed_saves, pending = 0, None
+    num_failed_saves, pending = 0, {}  # {step: this rank's share of it, generated ahead}
     lo, hi = dp_rank * B // dp, (dp_rank + 1) * B // dp  # this rank's data-parallel groups
 
     def scorer(groups, problems):  # this rank's slice of B groups: (lo, rewards, correct, stats)
@@ -477,14 +480,14 @@ def main(argv=None):
 
     # ---- 4. the loop: generator_loop (below) issues the same collectives, in the same order ------
     for s in range(start, cfg.train.steps):
-        t_step, perf, plan = time.perf_counter(), {}, schedule(s, cfg)
+        t_step, perf, plan = time.perf_counter(), {}, schedule(s, cfg, start)
         # 4a-b. prompts, a pure function of (seed, step); colocated trainers generate their share
-        # (or did, one step ahead), dedicated ones wait for the generators; DAPO's filter refills
-        # the batch (rollout.py). Stale and colocated: batch s+1 is sampled now, before the update
+        # (or did, k steps ahead), dedicated ones wait for the generators; DAPO's filter refills
+        # the batch (rollout.py). Stale and colocated: batch s+k is sampled now, before the update
         problems, groups, scored, perf["perf/gen_s"], fill = rollout.step_rollout(
-            gen, train, s, ro, seed, producer, num_producers, pending, scorer)
-        pending = (rollout.generate_step(gen, train, s + 1, ro, seed, producer, num_producers)
-                   if plan.ahead else None)
+            gen, train, s, ro, seed, producer, num_producers, pending.pop(s, None), scorer)
+        for j in plan.ahead:
+            pending[j] = rollout.generate_step(gen, train, j, ro, seed, producer, num_producers)
         prompt_ids = [p["id"] for p in problems]  # to prompts.jsonl: which data each step saw
         perf.update(fill)
         # 4c. rewards (B/dp, G): the weighted total, and the accuracy reward's part (DAPO's refill
@@ -588,14 +591,15 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start, m
     if start == 0:  # main: the step-0 eval
         rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns, 0,
                          is_trainer=False)
-    pending = None
+    pending = {}
     for s in range(start, cfg.train.steps):
-        plan = schedule(s, cfg)
-        rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers, pending)  # 4a-b
-        # staleness 1: batch s+1 is generated now, with the weights that produced batch s's
-        # refill rounds
-        pending = (rollout.generate_step(gen, train, s + 1, ro, seed, producer, num_producers)
-                   if plan.ahead else None)
+        plan = schedule(s, cfg, start)
+        rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers,
+                             pending.pop(s, None))  # 4a-b
+        # staleness k: batch s+k is generated now, with the weights that produced batch s's
+        # refill rounds, while the trainers update on batch s
+        for j in plan.ahead:
+            pending[j] = rollout.generate_step(gen, train, j, ro, seed, producer, num_producers)
         if plan.sync:  # main: 4g
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
                                           receiver(gen, s + 1, merge))

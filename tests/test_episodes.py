@@ -386,15 +386,17 @@ def test_grpo_with_each_builtin_env_colocated_exact_resume_and_single_turn_uncha
 @pytest.mark.slow
 def test_grpo_with_envs_on_a_dedicated_vllm_rank_with_refill_staleness_and_pass_k(tmp_path, tiny_ckpt):
     """1 trainer + 1 vLLM rank playing all three built-ins (tests/_envs.py:Mixed: the env runs on the generator
-    rank) with DAPO refill, one batch ahead, and pass@k eval."""
+    rank) with DAPO refill, two batches ahead, and pass@k eval."""
     out = run([f"--model.path={tiny_ckpt}", *COLOCATED[2:], "--rollout.env=tests/_envs.py:Mixed", "--train.steps=3",
                "--rollout.filter_zero_std=true", "--rollout.refill_rounds=1", "--eval.pass_k=2",
-               "--rollout.max_staleness=1", "--log.run=a"], tmp_path)
+               "--rollout.max_staleness=2", "--log.run=a"], tmp_path)
     assert "generator rank 1: done, weight version 3 after 3 steps" in out.stdout + out.stderr
     rows = rows_of(tmp_path / "a")
     check_episode_rows(rows)
-    # one batch ahead: a step's first round is a version old (its refill rounds are generated after the sync)
-    assert rows[0]["rollout/staleness"] == 0 and all(0 < r["rollout/staleness"] <= 1 for r in rows[1:])
+    # two batches ahead: a step's first round is up to two versions old (its refill rounds are
+    # generated after the last sync)
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2]
+    assert rows[0]["rollout/staleness"] == 0 and all(0 < r["rollout/staleness"] <= 2 for r in rows[1:])
     assert "eval/pass@2" in rows[-1]
     assert rows[0]["mismatch/abs_diff"] < 1e-3  # vLLM's episode logprobs are the trainer's
     assert all(r["rollout/prompts_drawn"] == 8 * (r["rollout/refill_rounds"] + 1) for r in rows)  # B = 8

@@ -26,7 +26,14 @@ def test_one_schedule_for_both_loops_and_every_eval_sees_fresh_weights():
     assert not any(p.ahead for p in plans)
     cfg.rollout.max_staleness = 1  # one batch ahead, except after the last step
     assert ([p.ahead for p in (train_grpo.schedule(s, cfg) for s in range(12))]
-            == [True] * 11 + [False])
+            == [(s + 1,) for s in range(11)] + [()])
+    cfg.rollout.max_staleness = 3  # the first step fills the pipeline; none past the last step
+    for start in (0, 5):
+        ahead = [train_grpo.schedule(s, cfg, start).ahead for s in range(start, 12)]
+        assert ahead[0] == (start + 1, start + 2, start + 3)
+        assert ahead[1:] == [(s + 3,) for s in range(start + 1, 9)] + [()] * 3
+        made = [j for a in ahead for j in a]  # each later batch generated exactly once
+        assert made == list(range(start + 1, 12))
     cfg.eval.every = 0
     # the final eval always runs
     assert [s for s in range(12) if train_grpo.schedule(s, cfg).eval] == [11]

@@ -212,24 +212,56 @@ def test_dynamic_sampling_refills_to_b_informative_groups_and_resumes(tmp_path, 
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), k
 
 
-def test_colocated_staleness_one_trains_on_the_previous_weights_samples(tmp_path, start_ckpt):
-    """Colocated with max_staleness=1: batch s+1 is sampled before the update on batch s, so from
-    step 2 on every completion is exactly one version old and the trainer's policy differs from the
-    sampler's. A loss.correction sees that gap: truncated IS at C = 1.001 caps nothing on step 1
-    (one version, fp32) and caps tokens from step 2 on. (It used to compare the sampler with itself
-    when stale, and weigh every token 1.) Its pi_old is the trainer's own policy, so the PPO ratio
-    is 1 and nothing is clipped."""
+def test_colocated_staleness_two_trains_on_samples_two_versions_old(tmp_path, start_ckpt):
+    """Colocated with max_staleness=2: batch s+2 is sampled before the update on batch s, so
+    staleness climbs 0, 1, 2 and holds, and the trainer's policy differs from the sampler's. A
+    loss.correction sees that gap: truncated IS at C = 1.001 caps nothing on step 1 (one version,
+    fp32) and caps tokens from step 2 on. (It used to compare the sampler with itself when stale,
+    and weigh every token 1.) Its pi_old is the trainer's own policy, so the PPO ratio is 1 and
+    nothing is clipped."""
     run([f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch",
-         "--train.steps=3", "--rollout.max_staleness=1", "--loss.entropy_coef=0.01",
+         "--train.steps=4", "--rollout.max_staleness=2", "--loss.entropy_coef=0.01",
          "--optim.lr=0.01", "--eval.every=0", "--loss.correction=tis", "--loss.correction_c=1.001",
          "--log.run=c"], tmp_path, nproc=0)
     rows = [r for r in metrics(tmp_path / "c" / "metrics.jsonl") if "perf/step_s" in r]
-    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 2.0, 2.0]
     # the policy moved in between
     assert rows[0]["mismatch/abs_diff"] < 1e-5 < rows[1]["mismatch/abs_diff"]
     assert rows[0]["loss/is_capped_frac"] == 0
     assert rows[0]["loss/is_weight_mean"] == pytest.approx(1, abs=1e-4)
     assert all(r["loss/is_capped_frac"] > 0.01 and r["loss/clip_frac"] == 0 for r in rows[1:])
+
+
+def test_staleness_two_killed_between_steps_resumes_deterministically(tmp_path, start_ckpt):
+    """What was generated ahead is not checkpointed: a run killed in step 4 (generating step 6's
+    batch ahead) resumes from its step-2 checkpoint and regenerates batches 3..5 with the restored
+    weights. Oracles: the uninterrupted run's data order (the same prompts, each once); staleness
+    climbing again from 0 after the resume; and a second resume from a copy of the same checkpoint
+    computing the same numbers."""
+    args = [f"--model.path={start_ckpt}", "--dist.generator_ranks=0", "--rollout.backend=torch",
+            "--train.steps=6", "--rollout.max_staleness=2", "--loss.entropy_coef=0.01",
+            "--optim.lr=0.01", "--eval.every=0", "--ckpt.every=2", "--ckpt.resume=auto"]
+    run([*args, "--log.run=a"], tmp_path, nproc=0)
+    killed = subprocess.run([sys.executable, "train_grpo.py", "configs/tiny.py", *SMALL, *args,
+                             f"--log.out_dir={tmp_path}", "--log.run=b"], cwd=ROOT, text=True,
+                            capture_output=True, timeout=420,
+                            env={**os.environ, "NANOFORGE_FAULT": "kill_gen@5"})
+    assert killed.returncode != 0 and "kill_gen@5: SIGKILL" in killed.stderr, killed.stderr[-2000:]
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    for name in ("b", "c"):
+        run([*args, f"--log.run={name}"], tmp_path, nproc=0)
+    a, b, c = ([r for r in metrics(tmp_path / n / "metrics.jsonl") if "perf/step_s" in r]
+               for n in "abc")
+    assert [r["rollout/staleness"] for r in a] == [0, 1, 2, 2, 2, 2]
+    resumed = [r for r in b if r["step"] >= 3][-4:]  # the resumed steps, after the killed run's
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    assert [r["rollout/staleness"] for r in resumed] == [0, 1, 2, 2]
+    keys = ("rollout/reward_mean", "rollout/response_len", "loss/total", "train/grad_norm")
+    for x, y in zip(resumed, [r for r in c if r["step"] >= 3][-4:]):
+        assert all(x[k] == y[k] for k in keys), (x, y)
+    prompts = [json.loads(line) for line in open(tmp_path / "a" / "prompts.jsonl")]
+    assert [json.loads(line) for line in open(tmp_path / "b" / "prompts.jsonl")][-4:] == prompts[2:]
 
 
 def test_mismatch_and_drift_measure_the_policy_before_the_update_with_four_minibatches(
