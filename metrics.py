@@ -27,10 +27,12 @@ def mismatch(train_logp, gen_logp, mask):
                                                     mask))}
 
 
-def rollout_stats(r, correct, lengths, groups, batch, step, env):
+def rollout_stats(r, correct, lengths, groups, batch, step, env, max_staleness=0):
     """A step's batch in numbers: rewards (B, G) and their accuracy part, response lengths (B, G),
     the share cut at max_tokens, of groups with no signal (and on which side), how stale the
-    samples were, and with an env (rollout.env) the episodes' ends."""
+    samples were (mean, max, and the share at each staleness 0..max_staleness), and with an env
+    (rollout.env) the episodes' ends."""
+    age = step - batch["version"]
     return {"rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
             # rollout.accuracy's, whatever else is summed
             "rollout/accuracy": float((correct >= 1).float().mean()),
@@ -43,8 +45,10 @@ def rollout_stats(r, correct, lengths, groups, batch, step, env):
             "rollout/all_right_frac": float((correct >= 1).all(1).float().mean()),
             "rollout/all_wrong_frac": float((correct < 1).all(1).float().mean()),
             # versions between the policy that sampled and the one that trains (rollout.py)
-            "rollout/staleness": float((step - batch["version"]).mean()),
-            "rollout/staleness_max": float((step - batch["version"]).max()),
+            "rollout/staleness": float(age.float().mean()),
+            "rollout/staleness_max": float(age.max()),
+            **{f"rollout/staleness_{j}": float((age == j).float().mean())
+               for j in range(max_staleness + 1) if max_staleness},
             **(episodes.stats(groups) if env else {})}
 
 

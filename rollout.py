@@ -186,15 +186,21 @@ def refill(gen, train, step, problems, groups, ro, seed, producer, num_producers
     return [c[0] for c in chosen], [c[1] for c in chosen], scored, gen_s, stats
 
 
-def step_rollout(gen, train, step, ro, seed, producer, num_producers, local=None, scorer=None):
-    """Step `step`'s batch on every rank: prompts, generation (or the share made one step ahead:
-    `local`), collected in prompt order, refilled under dynamic sampling. Returns problems, groups,
-    this rank's scores when the refill made them already (refill; else None), gen_s, stats."""
+def step_rollout(gen, train, step, ro, seed, producer, num_producers, local=None, scorer=None,
+                 idle_s=None):
+    """Step `step`'s batch on every rank: prompts, generation (or the share made ahead: `local`),
+    collected in prompt order, refilled under dynamic sampling. Returns problems, groups, this
+    rank's scores when the refill made them already (refill; else None), gen_s, stats. idle_s: a
+    dedicated generator's waiting time since its last share, reported with this one (on the
+    trainers: perf/gen_idle_s, the most any generator rank waited)."""
     local = local or generate_step(gen, train, step, ro, seed, producer, num_producers)
+    if local is not None and idle_s is not None:
+        local = {**local, "idle_s": idle_s}
     t0 = time.perf_counter()
-    groups, gen_s = collect(local, ro.prompts_per_step)
+    stats = {}
+    groups, gen_s = collect(local, ro.prompts_per_step, stats)
     problems = round_problems(train, step, 0, ro, seed)
-    stats = {"perf/wait_s": time.perf_counter() - t0}
+    stats["perf/wait_s"] = time.perf_counter() - t0
     scored = None
     if ro.filter_zero_std:
         problems, groups, scored, more_s, fill = refill(gen, train, step, problems, groups, ro,
@@ -204,8 +210,9 @@ def step_rollout(gen, train, step, ro, seed, producer, num_producers, local=None
     return problems, groups, scored, gen_s, stats
 
 
-def collect(local, num_problems):
+def collect(local, num_problems, stats=None):
     """All-gather every producer's share (trainers without a generator send None); order by index.
+    stats: gets perf/gen_idle_s when a share reports its generator's idle time (step_rollout).
     One process gathers nothing: gloo would copy the pickle in its own thread, whose OpenMP team
     then outnumbers the cores and makes every later parallel region's threads sleep between regions
     (generation ~30% slower after step 0)."""
@@ -219,6 +226,8 @@ def collect(local, num_problems):
             for i, comps in zip(share["idx"], share["completions"]):
                 groups[i] = comps
             gen_s = max(gen_s, share["gen_s"])
+            if stats is not None and "idle_s" in share:
+                stats["perf/gen_idle_s"] = max(stats.get("perf/gen_idle_s", 0.0), share["idle_s"])
     return groups, gen_s
 
 

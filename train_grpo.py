@@ -552,7 +552,8 @@ def main(argv=None):
                    else "data/truncated_prompts")
         row = metrics.dp_mean({
             **stats, **rstats, **sync, **perf,
-            **metrics.rollout_stats(r, correct, lengths, groups, batch, s, ro.env),
+            **metrics.rollout_stats(r, correct, lengths, groups, batch, s, ro.env,
+                                    ro.max_staleness),
             "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
             dropped: float(num_dropped)}, mesh["dp_shard"].get_group(), dp)
         if plan.eval:
@@ -591,18 +592,21 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start, m
     if start == 0:  # main: the step-0 eval
         rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns, 0,
                          is_trainer=False)
-    pending = {}
+    pending, idle = {}, 0.0  # idle: seconds waiting for the trainers since the last share
     for s in range(start, cfg.train.steps):
         plan = schedule(s, cfg, start)
-        rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers,
-                             pending.pop(s, None))  # 4a-b
+        *_, got = rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers,
+                                       pending.pop(s, None), idle_s=idle)  # 4a-b
+        idle = got["perf/wait_s"]  # this rank's share was ready: the trainers were still busy
         # staleness k: batch s+k is generated now, with the weights that produced batch s's
         # refill rounds, while the trainers update on batch s
         for j in plan.ahead:
             pending[j] = rollout.generate_step(gen, train, j, ro, seed, producer, num_producers)
-        if plan.sync:  # main: 4g
+        if plan.sync:  # main: 4g; the wait for the trainers' update, then the transfer and load
+            t0 = time.perf_counter()
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
                                           receiver(gen, s + 1, merge))
+            idle += time.perf_counter() - t0
         if plan.eval:  # main: 4h
             rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns,
                              s + 1, is_trainer=False)

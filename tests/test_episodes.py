@@ -396,6 +396,9 @@ def test_grpo_with_envs_on_a_dedicated_vllm_rank_with_refill_staleness_and_pass_
     # two batches ahead: a step's first round is up to two versions old (its refill rounds are
     # generated after the last sync)
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2]
+    for r in rows:  # the histogram: every completion is 0, 1 or 2 versions old
+        assert sum(r[f"rollout/staleness_{j}"] for j in range(3)) == pytest.approx(1)
+        assert r["perf/gen_idle_s"] >= 0 and r["perf/wait_s"] >= 0  # each side's wait
     assert rows[0]["rollout/staleness"] == 0 and all(0 < r["rollout/staleness"] <= 2 for r in rows[1:])
     assert "eval/pass@2" in rows[-1]
     assert rows[0]["mismatch/abs_diff"] < 1e-3  # vLLM's episode logprobs are the trainer's
