@@ -1,19 +1,27 @@
-"""Does one-batch-ahead generation hide generation behind training? The same run at max_staleness 0 and 1.
+"""Does generating ahead hide generation behind training? The same run at max_staleness 0, 1, 2.
 
-With `rollout.max_staleness = 1` the generator rank produces batch s+1 while the trainer updates on batch s, so a
-step should cost max(generation, training) instead of their sum. This runs bench/step.py's workload (the tiny
-config, 1 trainer + 1 vLLM rank, random checkpoint) twice, one run after the other, and reports the median step
-time against max(gen, train) of the same run:
+With `rollout.max_staleness = k` the generator rank produces batch s+k while the trainer updates
+on batch s, so a step should cost max(generation, training) instead of their sum. This runs
+bench/step.py's workload (the tiny config, 1 trainer + 1 vLLM rank, random checkpoint) once per k,
+one run after the other, and reports the median step time against max(gen, train) of the same
+run, and each side's idle share of the step:
 
-    gen    perf/gen_s    the generator's time inside generate()
-    train  perf/train_s  the policy update (forward + backward + optimizer) on the trainer
-    ratio  step / max(gen, train); target <= 1.15 with staleness 1 (staleness 0 is ~ (gen + train) / max)
+    gen    perf/gen_s     the generator's time inside generate()
+    train  perf/train_s   the policy update (forward + backward + optimizer) on the trainer
+    ratio  step / max(gen, train); target <= 1.15 with staleness >= 1 (at 0: ~(gen + train) / max)
+    idle   trainer: perf/wait_s (waiting for the batch) / step; generator: perf/gen_idle_s (at the
+           batch collective and in the weight sync: waiting for the trainer, then the transfer
+           and reload) / step
 
-In the staleness-1 run the trainer's perf/sync_s includes waiting for the generator to finish batch s+1 (the
-broadcast starts when both sides arrive), so only the step time and the two busy times are compared.
+With a weight sync after every step the pipeline cannot run more than one batch ahead in steady
+state: at k = 2 the generator still waits for each update before its next batch, so k > 1 buys
+slack for uneven steps, not speed. In the stale runs the trainer's perf/sync_s includes waiting
+for the generator to finish batch s+k (the broadcast starts when both sides arrive), so only the
+step time and the two busy times are compared.
 
     .venv/bin/python bench/async.py                    # bench/results/async.json
-    .venv/bin/python bench/async.py --steps 2 --warmup 1 -- --rollout.prompts_per_step=4  # smoke run
+    .venv/bin/python bench/async.py --staleness 0,1 --steps 2 --warmup 1 \
+        -- --rollout.prompts_per_step=4                # smoke run
 """
 import argparse
 import importlib.util
@@ -36,32 +44,41 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async.json"))
+    p.add_argument("--staleness", default="0,1,2", help="rollout.max_staleness values, a,b,...")
     p.add_argument("overrides", nargs="*", help="train_grpo.py overrides, after --")
     args = p.parse_args()
     roof = machine.roofline()  # first: the figures this run's speeds are read against
 
-    runs = {}
-    for staleness in (0, 1):
+    runs, ks = {}, [int(k) for k in args.staleness.split(",")]
+    for k in ks:
         with tempfile.TemporaryDirectory() as tmp:
-            rows, rss, wall = step.run_grpo([*args.overrides, f"--rollout.max_staleness={staleness}"],
+            rows, rss, wall = step.run_grpo([*args.overrides, f"--rollout.max_staleness={k}"],
                                             args.warmup + args.steps + 1, tmp)
         rows = rows[args.warmup:args.warmup + args.steps]
-        med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        share = lambda key: statistics.median(r[key] / r["perf/step_s"] for r in rows)  # noqa
         s, g, t = med("perf/step_s"), med("perf/gen_s"), med("perf/train_s")
-        busy = statistics.median(r["perf/step_s"] - r["perf/wait_s"] - r["perf/sync_s"] for r in rows)
-        runs[staleness] = dict(step_s=s, gen_s=g, train_s=t, max_gen_train_s=max(g, t), sum_gen_train_s=g + t,
-                               ratio_step_over_max=s / max(g, t), wait_s=med("perf/wait_s"), sync_s=med("perf/sync_s"),
-                               trainer_busy_s=busy, staleness_mean=med("rollout/staleness"), peak_rss_mb=rss,
-                               wall_s=wall, per_step=[{k: r[k] for k in r if k.startswith("perf/")} for r in rows])
-        print(f"max_staleness={staleness}: step {s:.3f} s, gen {g:.3f} s, train {t:.3f} s, "
-              f"step / max(gen, train) = {s / max(g, t):.2f}, step / (gen + train) = {s / (g + t):.2f}", flush=True)
-    speedup = runs[0]["step_s"] / runs[1]["step_s"]
-    print(f"staleness 1 vs 0: {speedup:.2f}x faster per step (target: step <= 1.15 x max(gen, train) "
-          f"-> {'met' if runs[1]['ratio_step_over_max'] <= 1.15 else 'NOT met'})")
-    result = dict(workload="configs/tiny.py, random tiny checkpoint, 1 trainer + 1 vLLM rank", overrides=args.overrides,
-                  warmup=args.warmup, steps=args.steps, staleness0=runs[0], staleness1=runs[1],
-                  speedup_1_over_0=speedup, target_ratio=1.15, target_met=runs[1]["ratio_step_over_max"] <= 1.15,
-                  machine=roof)
+        busy = statistics.median(r["perf/step_s"] - r["perf/wait_s"] - r["perf/sync_s"]
+                                 for r in rows)
+        run = runs[k] = dict(
+            step_s=s, gen_s=g, train_s=t, max_gen_train_s=max(g, t), sum_gen_train_s=g + t,
+            ratio_step_over_max=s / max(g, t), wait_s=med("perf/wait_s"),
+            sync_s=med("perf/sync_s"), trainer_busy_s=busy, staleness_mean=med("rollout/staleness"),
+            trainer_idle_share=share("perf/wait_s"), generator_idle_share=share("perf/gen_idle_s"),
+            peak_rss_mb=rss, wall_s=wall,
+            per_step=[{key: r[key] for key in r if key.startswith("perf/")} for r in rows])
+        print(f"max_staleness={k}: step {s:.3f} s, gen {g:.3f} s, train {t:.3f} s, "
+              f"step / max(gen, train) = {s / max(g, t):.2f}, step / (gen + train) = "
+              f"{s / (g + t):.2f}, idle: trainer {run['trainer_idle_share']:.0%}, generator "
+              f"{run['generator_idle_share']:.0%}", flush=True)
+    result = dict(workload="configs/tiny.py, random tiny checkpoint, 1 trainer + 1 vLLM rank",
+                  overrides=args.overrides, warmup=args.warmup, steps=args.steps, target_ratio=1.15,
+                  machine=roof, **{f"staleness{k}": runs[k] for k in ks})
+    if 0 in runs and 1 in runs:
+        result["speedup_1_over_0"] = speedup = runs[0]["step_s"] / runs[1]["step_s"]
+        result["target_met"] = runs[1]["ratio_step_over_max"] <= 1.15
+        print(f"staleness 1 vs 0: {speedup:.2f}x faster per step (target: step <= 1.15 x "
+              f"max(gen, train) -> {'met' if result['target_met'] else 'NOT met'})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
