@@ -141,7 +141,9 @@ def grpo(cfg, world_size):
         own = inspect.signature(loss_cls).parameters
         raise err(f"loss.kwargs: {e}"
                   + "".join(config._closest(k, own) for k in kw if k not in own)) from None
-    stale = cfg.rollout.max_staleness or cfg.train.ppo_epochs * cfg.train.minibatches > 1
+    # a correction weighs a stale sampler's tokens; it does not bound several updates per batch
+    stale = ((cfg.rollout.max_staleness and not cfg.loss.correction)
+             or cfg.train.ppo_epochs * cfg.train.minibatches > 1)
     if cfg.loss.name == "simple_grpo" and stale:
         # a warning, not a refusal: the loss comparison measures exactly this case
         # (scripts/compare.py)
@@ -149,7 +151,7 @@ def grpo(cfg, world_size):
               f"with rollout.max_staleness={cfg.rollout.max_staleness}, "
               f"train.ppo_epochs={cfg.train.ppo_epochs}, train.minibatches={cfg.train.minibatches} "
               "nothing corrects for the stale policy; use 'grpo' for off-policy or multi-update "
-              "training", file=sys.stderr)
+              "training, or a loss.correction (docs/off-policy.md)", file=sys.stderr)
     config.named(cfg.loss.adv, losses.ADVANTAGES, "loss.adv", "estimator")
     # pure distillation has no group baseline: one sample per prompt is enough
     grouped = not cfg.distill.teacher or cfg.distill.reward_weight > 0
