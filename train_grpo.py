@@ -514,7 +514,8 @@ def main(argv=None):
         # sampler's logprobs when stale (the PPO ratio is taken against what sampled); on-policy
         # with one optimizer step, sg(logp) inside the loss; with several, the policy before them,
         # scored once. With a loss.correction, pi_old is the trainer's own policy even when stale
-        # (decoupled PPO: the clip bounds the update, the correction weighs pi_old / pi_gen). With
+        # (decoupled PPO: the clip bounds the update, the correction weighs pi_old / pi_gen; with
+        # one optimizer step the ratio is 1 and only the correction acts: docs/off-policy.md). With
         # minibatches > 1 it is scored even when stale: mismatch and drift measure against it (4h)
         with metrics.timed(perf, "perf/ref_s"):
             ref_logp = (packing.no_grad_logp(ref, batch, cfg.train.micro_batch, temp)

@@ -258,7 +258,8 @@ def test_simple_grpo_warns_when_old_logprobs_would_matter(capsys, tiny_ckpt):
         err = capsys.readouterr().err
         assert "warning: loss.name='simple_grpo' ignores old logprobs" in err and extra[2:].split("=")[0] in err
     # staleness with a correction: the correction weighs the stale tokens
-    checks.grpo(train_grpo.parse_config([*base, "--rollout.max_staleness=1", "--loss.correction=tis"]), 1)
+    stale_tis = ["--rollout.max_staleness=1", "--loss.correction=tis"]
+    checks.grpo(train_grpo.parse_config([*base, *stale_tis]), 1)
     assert "simple_grpo" not in capsys.readouterr().err
 
 

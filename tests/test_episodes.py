@@ -399,7 +399,8 @@ def test_grpo_with_envs_on_a_dedicated_vllm_rank_with_refill_staleness_and_pass_
     for r in rows:  # the histogram: every completion is 0, 1 or 2 versions old
         assert sum(r[f"rollout/staleness_{j}"] for j in range(3)) == pytest.approx(1)
         assert r["perf/gen_idle_s"] >= 0 and r["perf/wait_s"] >= 0  # each side's wait
-    assert rows[0]["rollout/staleness"] == 0 and all(0 < r["rollout/staleness"] <= 2 for r in rows[1:])
+    assert rows[0]["rollout/staleness"] == 0
+    assert all(0 < r["rollout/staleness"] <= 2 for r in rows[1:])
     assert "eval/pass@2" in rows[-1]
     assert rows[0]["mismatch/abs_diff"] < 1e-3  # vLLM's episode logprobs are the trainer's
     assert all(r["rollout/prompts_drawn"] == 8 * (r["rollout/refill_rounds"] + 1) for r in rows)  # B = 8
