@@ -33,9 +33,9 @@ Overrides: `--sft.<section>.<field>=v` goes to train_sft.py, `--grpo.<section>.<
 train_grpo.py (tests run a shortened demo this way).
 
 The recipe holds across seeds and CPU numeric paths (docs/demo.md; `python scripts/demo_seeds.py`
-reruns it): after the seed function, over seeds 0-5 on an AVX-512 machine's native kernels and on
+reruns it): after the seed function, over seeds 0-7 on an AVX-512 machine's native kernels and on
 the AVX2 kernels it falls back to when forced (an AVX2-only machine's path), GRPO gained +0.186 to
-+0.442 held-out (mean +0.286 and +0.248 per path), and no eval of any run fell below its start
++0.442 held-out (mean +0.280 and +0.282 per path), and no eval of any run fell below its start
 (docs/demo.md#after-the-seed-function, which also shows why the gain varies: the SFT stop leaves the
 differences out of GRPO's reach on most seeds). The recipe before (lr 3e-4 from step 1, no warm-up,
 no length penalty) gained -0.292 to +0.304, failing the bar on 2 of 10 runs. It takes 8.5 to 15
