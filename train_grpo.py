@@ -360,8 +360,8 @@ def accumulate(sums, stats, w):
 class Plan:
     """What happens at step s besides its update. One function decides it (`schedule`) for both
     loops, main() and generator_loop(), which must issue the same collectives in the same order."""
-    ahead: tuple  # the later batches to generate before the update on batch s, by the weights
-                  # that sampled it: rollout.max_staleness = k gives s+k (s+1..s+k at a run's
+    ahead: tuple  # the later batches to generate before the update on batch s, by the current
+                  # weights (version s): rollout.max_staleness = k gives s+k (s+1..s+k at a run's
                   # first step, resumed or not)
     sync: bool   # weights to the generators after the update: every dist.sync_interval steps, and
                  # before an eval
