@@ -184,16 +184,19 @@ def load_checkpoint(path, model, optimizer) -> dict:
 
 def export_hf(model, path, tokenizer_dir=None, adapter=None):
     """Full weights as a Hugging Face checkpoint (collective on trainers; trainer rank 0 writes).
-    With LoRA adapters the weights are merged (lora.fold), and `adapter` (a dir, and the
-    lora.peft_config dict) gets the adapters alone in PEFT's format."""
+    With LoRA adapters, `adapter` (a dir, and the lora.peft_config dict) gets them alone in PEFT's
+    format, and the weights are the base checkpoint with the adapters merged (lora.Merger)."""
     rank = _group_rank() if tdist.is_initialized() else 0
+    adapted = bool(lora.adapted(model))  # with LoRA only the adapters are gathered
     full = {name: t.to("cpu", copy=True)
-            for name, t in weight_sync.full_params(model, trained_only=False) if rank == 0}
-    scales = {m.scale for m in lora.adapted(model).values()}
-    if rank == 0 and scales:
-        if adapter is not None:
-            lora.save_adapter(full, *adapter)
-        full = lora.fold(full, scales.pop())
+            for name, t in weight_sync.full_params(model, trained_only=adapted) if rank == 0}
+    if rank == 0 and adapted:
+        lora.save_adapter(full, *adapter)
+        # merged onto the base checkpoint on disk, as the generators merge each sync (the trainer
+        # may hold its frozen base in bf16: run.load_model)
+        conf = adapter[1]
+        merge = lora.Merger(conf["base_model_name_or_path"], conf["r"], conf["lora_alpha"])
+        full = dict(merge(full.items()))
     if rank == 0:
         with torch.device("meta"):  # no random init; to_empty() keeps a tied lm_head tied
             out = model_lib.Transformer(model.cfg)

@@ -58,7 +58,9 @@ class LoRALinear(nn.Linear):
         self.weight.requires_grad_(False)
         if self.bias is not None:
             self.bias.requires_grad_(False)
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        # fp32 master weights whatever the base's dtype: a bf16 base (run.load_model) stays frozen,
+        # and AdamW's small steps would round away in a bf16 adapter
+        kw = dict(dtype=torch.float32, device=base.weight.device)
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **kw))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **kw))
         self.scale, self.dropout, self.enabled = alpha / rank, dropout, True
@@ -71,7 +73,10 @@ class LoRALinear(nn.Linear):
         # adapter whole
         if self.dropout and torch.is_grad_enabled():
             x = F.dropout(x, self.dropout)
-        return y + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        # under FSDP2's bf16 policy x and the gathered adapters are both bf16; unsharded, a bf16
+        # base's x meets fp32 adapters, and the update is taken in fp32
+        u = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
+        return y + u.to(y.dtype)
 
 
 def add(model, rank, alpha, targets=TARGETS, dropout=0.0, seed=0):
@@ -124,7 +129,7 @@ class Base:
 
 def fold(full, scale):
     """Full tensors {hf name: tensor} with adapters -> the merged ones, W + scale B A for each
-    adapted module, in fp32; the adapters dropped. (The export, and the oracle for Merger.)"""
+    adapted module, in fp32; the adapters dropped. (The oracle for Merger.)"""
     out = {n: t for n, t in full.items() if not n.endswith((".lora_A", ".lora_B"))}
     for n in full:
         if n.endswith(".lora_A"):

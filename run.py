@@ -163,7 +163,11 @@ def load_model(path, device, mesh, cfg, frozen=False, adapters=None):
     import lora
     from model import Transformer
     dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    model = Transformer.from_pretrained(path, device=device)
+    # what does not train (a frozen model, LoRA's base) is stored in the compute dtype: FSDP2 would
+    # cast it to exactly these numbers at each gather, so the same forward in half the memory of
+    # fp32 master weights. What trains keeps fp32 master weights (LoRA's adapters: lora.py)
+    store = dtype if dtype is not None and (frozen or adapters is not None) else torch.float32
+    model = Transformer.from_pretrained(path, dtype=store, device=device)
     if adapters is not None:
         a = adapters
         lora.add(model, a.lora_rank, a.lora_alpha, a.lora_targets, a.lora_dropout, cfg.train.seed)

@@ -1,10 +1,12 @@
 # 1 GPU, colocated: the trainer and a vLLM engine share the device (vLLM sleeps during the update).
 #   python train_grpo.py configs/gsm8k_1gpu.py
-# Sized for one 80 GB GPU. vLLM is built with sleep mode and may use gpu_memory_utilization x 80 GB = 24 GB:
-# weights 3 GB + KV 8 GB + CUDA graphs and activations. The trainer keeps the other 56 GB: fp32 policy weights + grads
-# + AdamW (16 B/param = 25 GB) and the fp32-stored reference (6 GB), plus activations. During the update vLLM sleeps
-# (level 2 when new weights follow: weights and KV freed), so the update can use nearly the whole GPU. Without vLLM
-# the torch generator runs instead (rollout.backend = "auto"), in bf16, and needs no budget of its own.
+# Sized for one 80 GB GPU. vLLM is built with sleep mode and may use gpu_memory_utilization x 80 GB
+# = 24 GB: weights 3 GB + KV 8 GB + CUDA graphs and activations. The trainer keeps the other 56 GB:
+# fp32 policy weights + grads + AdamW (16 B/param = 25 GB) and the reference, stored in bf16 as it
+# computes (3 GB, run.load_model), plus activations. During the update vLLM sleeps (level 2 when new
+# weights follow: weights and KV freed), so the update can use nearly the whole GPU. Without vLLM
+# the torch generator runs instead (rollout.backend = "auto"), in bf16, and needs no budget of its
+# own.
 model.path = "Qwen/Qwen2.5-1.5B-Instruct"
 model.dtype = "bfloat16"
 data.name = "gsm8k"

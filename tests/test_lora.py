@@ -136,6 +136,61 @@ def test_tensor_parallel_is_refused_with_lora(monkeypatch):
         checks.grpo(cfg, 2)
 
 
+BF16_BASE = """
+import json, sys, torch
+import dist, lora, run, train_grpo
+from model import Transformer
+ckpt, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
+roles = dist.get_roles(0)
+dist.init_distributed(roles)
+mesh = dist.trainer_mesh(roles, 1, 1)
+cfg = train_grpo.parse_config(["configs/tiny.py", "--dist.generator_ranks=0", "--model.dtype=bfloat16",
+                               "--model.lora_rank=4", f"--model.path={ckpt}"])
+new = run.load_model(ckpt, roles.device, mesh, cfg, adapters=cfg.model)
+# the old way: an fp32 base, cast to bf16 by FSDP2 at each gather
+old = lora.add(Transformer.from_pretrained(ckpt), 4, cfg.model.lora_alpha,
+               cfg.model.lora_targets, seed=cfg.train.seed)
+old = dist.shard_model(old, mesh, param_dtype=torch.bfloat16)
+g = torch.Generator().manual_seed(0)
+for a, b in zip(lora.adapted(new).values(), lora.adapted(old).values()):
+    B = torch.randn(a.lora_B.shape, generator=g) * 0.05
+    with torch.no_grad():
+        a.lora_B.to_local().copy_(B), b.lora_B.to_local().copy_(B)
+out = {}
+for name, m in (("new", new), ("old", old)):
+    y = m(ids)
+    y.float().logsumexp(-1).mean().backward()
+    grads = [p.grad.to_local().clone() for p in m.parameters() if p.requires_grad]
+    frozen = [p for p in m.parameters() if not p.requires_grad]
+    out[name] = dict(y=y, grads=grads,
+                     base_dtypes=sorted({str(p.dtype) for p in frozen}),
+                     adapter_dtypes=sorted({str(p.dtype) for p in m.parameters() if p.requires_grad}),
+                     base_bytes=sum(p.to_local().nbytes for p in frozen))
+teacher = run.load_model(ckpt, roles.device, mesh, cfg, frozen=True)
+print(json.dumps(dict(
+    same_logits=torch.equal(out["new"]["y"], out["old"]["y"]),
+    same_grads=all(torch.equal(a, b) for a, b in zip(out["new"]["grads"], out["old"]["grads"])),
+    **{f"{k}_{n}": v for n, o in out.items() for k, v in o.items() if k not in ("y", "grads")},
+    teacher_dtypes=sorted({str(p.dtype) for p in teacher.parameters()}))))
+"""
+
+
+def test_a_bf16_run_stores_the_frozen_base_in_bf16_with_the_same_numbers(tiny_ckpt):
+    """model.dtype = bfloat16 with LoRA: the frozen base is stored in bf16 (half the bytes), the
+    adapters keep fp32 master weights, and FSDP2's forward and the adapters' gradients are bit for
+    bit those of an fp32-stored base (which FSDP2 casts to the same bf16 numbers at each gather).
+    A frozen model (a teacher, the reference without LoRA) is stored in bf16 likewise."""
+    p = subprocess.run([sys.executable, "-c", BF16_BASE, str(tiny_ckpt), json.dumps(IDS.tolist())],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.splitlines()[-1])
+    assert r["same_logits"] and r["same_grads"], r
+    assert r["base_dtypes_new"] == ["torch.bfloat16"] and r["base_dtypes_old"] == ["torch.float32"]
+    assert r["adapter_dtypes_new"] == r["adapter_dtypes_old"] == ["torch.float32"], r
+    assert r["base_bytes_new"] * 2 == r["base_bytes_old"], r
+    assert r["teacher_dtypes"] == ["torch.bfloat16"], r
+
+
 # ---- through the trainer ----------------------------------------------------------------------
 
 def run(args, tmp_path, nproc=0, timeout=420):
