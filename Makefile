@@ -7,7 +7,7 @@ STAMP := .venv/.installed-$(HASH)
 # the optional extra (W&B, TensorBoard): not part of `make install`; the tests read both back, so `make test` adds it
 EXTRAS := .venv/.extras-$(shell cat requirements-extra.txt | sha256sum | cut -c1-16)
 
-.PHONY: test test-fast demo demo-real demo-tools compare install extras model
+.PHONY: test test-fast demo demo-real demo-tools demo-distill compare install extras model
 install: $(STAMP)
 
 $(STAMP): requirements-cpu.txt requirements-gpu.txt scripts/install.sh
@@ -50,3 +50,8 @@ demo-real: $(STAMP)
 # multi-turn GRPO with the calculator env on the real model, beside single-turn GRPO for the same time (not in CI)
 demo-tools: $(STAMP)
 	$(PY) scripts/demo_tools.py
+
+# on-policy distillation on the real model: demo-real's GRPO export teaches the base model, beside
+# that GRPO run (not in CI; docs/distill.md)
+demo-distill: $(STAMP)
+	$(PY) scripts/demo_distill.py

@@ -189,3 +189,26 @@ def test_config_errors_name_the_field(tmp_path, tiny_ckpt, monkeypatch):
         checks.grpo(cfg(f"--distill.teacher={tmp_path}/nowhere"), 1)
     with pytest.raises(config.ConfigError, match=r"distill.coef=0.0 must be > 0"):
         checks.grpo(cfg(f"--distill.teacher={tiny_ckpt}", "--distill.coef=0"), 1)
+
+
+def test_the_distillation_demo_reports_where_each_side_first_reaches_the_teacher(tmp_path):
+    """scripts/demo_distill.py's figures from two runs' metrics: training seconds are the sum of
+    perf/step_s less the evals' perf/eval_s, and "reached" is the first eval at or above 90% of
+    the teacher, or None when a run never gets there. Bad arguments exit before any run starts."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import demo_distill
+    rows = [{"step": 0, "eval/pass@1": 0.3}, {"step": 1, "perf/step_s": 10.0},
+            {"step": 2, "perf/step_s": 42.0, "perf/eval_s": 30.0, "eval/pass@1": 0.85},
+            {"step": 3, "perf/step_s": 11.0, "eval/pass@1": 0.9}]
+    points = demo_distill.curve(rows)
+    assert points == [(0, 0.0, 0.3), (2, 22.0, 0.85), (3, 33.0, 0.9)]
+    s = demo_distill.summarize(0.95, {"distill": points, "grpo": points[:2]}, seed=3)
+    assert s["target"] == pytest.approx(0.855)
+    assert (s["distill"]["reached_step"], s["distill"]["reached_seconds"]) == (3, 33.0)
+    assert s["grpo"]["reached_step"] is None and s["grpo"]["gain"] == pytest.approx(0.55)
+    for argv, says in ((["--bogus=1"], "unknown argument '--bogus=1'"),
+                       ([f"--teacher={tmp_path}"], "holds no config.json"),
+                       ([f"--out_dir={tmp_path}", "--reuse_teacher"], "holds no finished run")):
+        r = subprocess.run([sys.executable, "scripts/demo_distill.py", *argv], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and says in r.stderr, (argv, r.stderr)
