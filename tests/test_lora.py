@@ -144,8 +144,9 @@ ckpt, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
 roles = dist.get_roles(0)
 dist.init_distributed(roles)
 mesh = dist.trainer_mesh(roles, 1, 1)
-cfg = train_grpo.parse_config(["configs/tiny.py", "--dist.generator_ranks=0", "--model.dtype=bfloat16",
-                               "--model.lora_rank=4", f"--model.path={ckpt}"])
+cfg = train_grpo.parse_config(["configs/tiny.py", "--dist.generator_ranks=0",
+                               "--model.dtype=bfloat16", "--model.lora_rank=4",
+                               f"--model.path={ckpt}"])
 new = run.load_model(ckpt, roles.device, mesh, cfg, adapters=cfg.model)
 # the old way: an fp32 base, cast to bf16 by FSDP2 at each gather
 old = lora.add(Transformer.from_pretrained(ckpt), 4, cfg.model.lora_alpha,
@@ -162,9 +163,10 @@ for name, m in (("new", new), ("old", old)):
     y.float().logsumexp(-1).mean().backward()
     grads = [p.grad.to_local().clone() for p in m.parameters() if p.requires_grad]
     frozen = [p for p in m.parameters() if not p.requires_grad]
+    trained = [p for p in m.parameters() if p.requires_grad]
     out[name] = dict(y=y, grads=grads,
                      base_dtypes=sorted({str(p.dtype) for p in frozen}),
-                     adapter_dtypes=sorted({str(p.dtype) for p in m.parameters() if p.requires_grad}),
+                     adapter_dtypes=sorted({str(p.dtype) for p in trained}),
                      base_bytes=sum(p.to_local().nbytes for p in frozen))
 teacher = run.load_model(ckpt, roles.device, mesh, cfg, frozen=True)
 print(json.dumps(dict(
