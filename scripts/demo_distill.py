@@ -6,17 +6,20 @@ on-policy, beside GRPO from the same start.
 
 Phases, each the real trainer in its own process, on the real-model demo's task (1-digit
 arithmetic word problems, configs/smollm2_cpu.py, 8 prompts x 8 samples a step, fp32):
-1. the teacher: the real-model demo's GRPO run from the base checkpoint (scripts/demo_real.py).
-   Its curve is also the GRPO side of the comparison: same start, seed and batch. With
+1. the teacher: the real-model demo's GRPO run from the base checkpoint (scripts/demo_real.py: 40
+   steps, evals every 10). Its curve is also the GRPO side of the comparison: same start, seed and
+   batch. With
    --teacher=<export> this phase is skipped: the teacher is evaluated on this seed's held-out
    problems (the step-0 eval of a one-step run), and a GRPO run of --grpo_steps steps with this
    seed is the comparison.
 2. the student: the same config from the same base checkpoint with --distill.teacher=<teacher>:
    each sampled token's advantage is log pi_teacher - log pi_student (docs/distill.md); the
    task reward is unused.
-Held-out greedy accuracy on 200 problems every 5 steps. The summary gives, for each side, the
-first eval that reaches 90% of the teacher's accuracy, in steps and in seconds of training (the
-sum of perf/step_s less the evals' perf/eval_s).
+2 runs 15 steps. Held-out greedy accuracy on 200 problems, every 5 steps but in phase 1. The
+summary gives, for each side, the first eval that reaches 90% of the teacher's accuracy, in steps
+and in seconds of training (the sum of perf/step_s less the evals' perf/eval_s). The demo takes
+about 30 minutes on 2 cores (docs/distill.md); docs/distill.md's 3-seed study ran
+`--teacher.eval.every=5 --distill.train.steps=20`.
 
 Outputs, under <out>/demo_distill/: summary.json, demo_distill.png (accuracy against steps and
 against seconds), and the runs in teacher/ (or grpo/) and distill/. Overrides:
@@ -32,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from demo import read_metrics, run_phase  # noqa: E402  (scripts/demo.py: a trainer in a subprocess)
 
-SHARED = ["--model.dtype=float32", "--eval.every=5", "--eval.num_problems=200"]
-DISTILL_STEPS = 20
+SHARED = ["--model.dtype=float32", "--eval.num_problems=200"]
+EVERY = ["--eval.every=5"]  # phases 2 and 3; phase 1 keeps demo-real's 10 (configs/smollm2_cpu.py)
+DISTILL_STEPS = 15
 SHARE = 0.9  # the issue's bar: the student reaches 90% of its teacher's accuracy
 
 
@@ -138,10 +142,10 @@ def main(argv=None):
     else:
         grpo = curve(read_metrics(out / "teacher")) if done else trainer("teacher", own["teacher"])
         teacher, teacher_acc = str(out / "teacher" / "hf"), grpo[-1][2]
-    distill = trainer("distill", [f"--distill.teacher={teacher}",
+    distill = trainer("distill", [f"--distill.teacher={teacher}", *EVERY,
                                   f"--train.steps={DISTILL_STEPS}", *own["distill"]])
     if args.teacher:  # the comparison: GRPO from the same start with this seed
-        grpo = trainer("grpo", [f"--train.steps={args.grpo_steps}", *own["grpo"]])
+        grpo = trainer("grpo", [*EVERY, f"--train.steps={args.grpo_steps}", *own["grpo"]])
     s = summarize(teacher_acc, {"distill": distill, "grpo": grpo}, args.seed)
     s["teacher"] = teacher
     Path(out, "summary.json").write_text(json.dumps(s, indent=2) + "\n")
