@@ -8,14 +8,13 @@ Phases, each the real trainer in its own process, on the real-model demo's task 
 arithmetic word problems, configs/smollm2_cpu.py, 8 prompts x 8 samples a step, fp32):
 1. the teacher: the real-model demo's GRPO run from the base checkpoint (scripts/demo_real.py: 40
    steps, evals every 10). Its curve is also the GRPO side of the comparison: same start, seed and
-   batch. With
-   --teacher=<export> this phase is skipped: the teacher is evaluated on this seed's held-out
-   problems (the step-0 eval of a one-step run), and a GRPO run of --grpo_steps steps with this
-   seed is the comparison.
+   batch. With --teacher=<export> this phase is skipped: the teacher is evaluated on this seed's
+   held-out problems (the step-0 eval of a one-step run), and a GRPO run of --grpo_steps steps
+   with this seed is the comparison.
 2. the student: the same config from the same base checkpoint with --distill.teacher=<teacher>:
    each sampled token's advantage is log pi_teacher - log pi_student (docs/distill.md); the
    task reward is unused.
-2 runs 15 steps. Held-out greedy accuracy on 200 problems, every 5 steps but in phase 1. The
+Phase 2 runs 15 steps. Held-out greedy accuracy on 200 problems, every 5 steps but in phase 1. The
 summary gives, for each side, the first eval that reaches 90% of the teacher's accuracy, in steps
 and in seconds of training (the sum of perf/step_s less the evals' perf/eval_s). The demo takes
 about 30 minutes on 2 cores (docs/distill.md); docs/distill.md's 3-seed study ran
