@@ -172,6 +172,12 @@ def grpo(cfg, world_size):
     except ValueError as e:
         raise err(f"dist.generator_ranks={cfg.dist.generator_ranks}, world size {world_size}: "
                   f"{e}") from None
+    ro = cfg.rollout
+    if ro.inflight_updates and not (cfg.dist.generator_ranks and ro.max_staleness):
+        raise err("rollout.inflight_updates=True needs generation running while the trainers "
+                  "update: dedicated generator ranks (dist.generator_ranks >= 1, not "
+                  f"{cfg.dist.generator_ranks}) generating ahead (rollout.max_staleness >= 1, not "
+                  f"{cfg.rollout.max_staleness})")
     num_trainers = world_size - cfg.dist.generator_ranks
     if num_trainers % cfg.dist.tp:
         raise err(f"dist.tp={cfg.dist.tp} does not divide the {num_trainers} trainer ranks")

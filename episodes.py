@@ -148,6 +148,7 @@ class Episode:
     #                                                bridges
     logp: list = field(default_factory=list)
     mask: list = field(default_factory=list)
+    versions: list = field(default_factory=list)   # per id, the weight version that sampled it
     end: str | None = None                         # one of ENDS once it is over
     turns: int = 0
     tool_calls: int = 0
@@ -166,9 +167,10 @@ class MultiTurn:
     def __getattr__(self, name):
         return getattr(self.gen, name)
 
-    def episodes(self, problems, n, seed, max_tokens, **sampling):
+    def episodes(self, problems, n, seed, max_tokens, poll=None, **sampling):
         """n episodes per problem -> groups of Completions (token_ids after the opening prompt,
-        mask, metadata)."""
+        mask, metadata). poll: an in-flight weight update's hook (generator.py), inside each turn's
+        generation and between turns; each token keeps the version that sampled it."""
         eps, version = [], self.gen.version
         for p in problems:
             for _ in range(n):
@@ -180,7 +182,7 @@ class MultiTurn:
                                        error=f"reset raised {type(e).__name__}"))
         prompts = [p["prompt_ids"] for p in problems for _ in range(n)]
         # the ends bridge() cuts at
-        sampling.update(max_tokens=max_tokens, stop_token_ids=self.tok.eos_token_ids)
+        sampling.update(max_tokens=max_tokens, stop_token_ids=self.tok.eos_token_ids, poll=poll)
         out = [c for g in self.gen.generate([p["prompt_ids"] for p in problems], n=n, seed=seed,
                                             **sampling) for c in g]
         active = [i for i, e in enumerate(eps) if e.end is None]
@@ -191,6 +193,8 @@ class MultiTurn:
             active = [i for i in active if eps[i].end is None]
             if not active:
                 break
+            if poll is not None:  # a turn boundary is a token boundary too
+                poll()
             out = [g[0] for g in self.gen.generate([prompts[i] + eps[i].ids for i in active],
                                                    n=1, **sampling, seed=turn_seed(seed, turn + 1))]
         return [[self.completion(problems[k], eps[k * n + j], version) for j in range(n)]
@@ -203,6 +207,7 @@ class MultiTurn:
         e.ids += c.token_ids
         e.logp += c.logprobs
         e.mask += [1] * len(c.token_ids)
+        e.versions += c.token_versions()
         e.text, e.turns = c.text, e.turns + 1
         e.messages.append({"role": "assistant", "content": c.text})
         if c.finish_reason == "length":
@@ -229,6 +234,7 @@ class MultiTurn:
         e.ids += ids
         e.logp += [0.0] * len(ids)
         e.mask += [0] * len(ids)
+        e.versions += [e.versions[-1]] * len(ids)  # not trained on (mask 0)
 
     def completion(self, p, e, version):
         # a cut reply has no end of turn to render
@@ -238,7 +244,7 @@ class MultiTurn:
         target = getattr(e.env, "target", None)
         return generator.Completion(
             prompt_ids=list(p["prompt_ids"]), token_ids=e.ids, text=e.text, logprobs=e.logp,
-            mask=e.mask,
+            mask=e.mask, versions=e.versions if len(set(e.versions)) > 1 else None,
             finish_reason="length" if e.end in ("length", "context", "turns") else "stop",
             generator_version=version,
             metadata={"end": e.end, "turns": e.turns, "tool_calls": e.tool_calls,

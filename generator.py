@@ -54,9 +54,18 @@ colocated, the engine has `enable_sleep_mode=True` and sleeps around the update,
 load -> KV cache (vLLM 0.32's order and where it is in its source: docs/gpu.md). On CPU the same
 calls run, so the order is tested there.
 
-Deliberately left out: async/streaming generation, multi-GPU tensor parallelism inside vLLM, vLLM's
+In-flight weight updates (`generate(..., poll=)`): poll runs at every token boundary (the torch
+generator between decode steps; vLLM's engine, stepped by hand, between scheduler steps) and may
+load new weights. The rows still running go on under them over the KV cache the old weights wrote (kept,
+not recomputed, as PipelineRL does), and each token records the version whose forward sampled it
+(Completion.versions) beside its logprob, which is exactly the sampler's: so the trainer's ratio and
+every correction stay per token and exact (tests/test_generator.py: an update that changes only the
+final norm, on which no KV depends, against both models teacher-forced).
+
+Deliberately left out: streaming generation, multi-GPU tensor parallelism inside vLLM, vLLM's
 own LoRA serving (a LoRA run's generators load merged weights: lora.py), stop strings.
 """
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -78,10 +87,17 @@ class Completion:
     logprobs: list[float]          # fp32 log softmax(logits/T) at each generated token (see module
     #                                docstring)
     finish_reason: str             # "stop" | "length"
-    generator_version: int         # weight version that produced it (see update_weights)
+    generator_version: int         # weight version that produced it (see update_weights); with
+    #                                an in-flight update, the oldest that sampled any of its tokens
     metadata: dict = field(default_factory=dict)
     mask: list[int] | None = None  # a multi-turn episode's loss mask: 1 sampled, 0 env tokens
     #                                (episodes.py)
+    versions: list[int] | None = None  # per token, the weight version that sampled it, where an
+    #                                in-flight update (`poll`) changed it mid-sequence; None: all
+    #                                generator_version
+
+    def token_versions(self) -> list[int]:
+        return self.versions or [self.generator_version] * len(self.token_ids)
 
 
 def make_generator(backend: str, model_path, **kw):
@@ -217,7 +233,9 @@ class VLLMGenerator:
         self.llm.llm_engine.engine_core._finalizer.detach()
 
     def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
-                 stop_token_ids=None, seed=None) -> list[list[Completion]]:
+                 stop_token_ids=None, seed=None, poll=None) -> list[list[Completion]]:
+        """poll: as TorchGenerator.generate's; given, the engine is stepped here, one scheduler
+        step (one token per running request) at a time, and the hook runs between steps."""
         from vllm import SamplingParams, TokensPrompt
         _check_args(prompt_ids, n, temperature, max_tokens)
         stop = self.eos_ids if stop_token_ids is None else list(stop_token_ids)
@@ -234,21 +252,53 @@ class VLLMGenerator:
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(n)]
         sp = (params(None) if seed is None
               else [params(request_seed(seed, k)) for k in range(len(prompts))])
-        outs = self.llm.generate(prompts, sp, use_tqdm=False)
-
-        rows = [o.outputs[0] for o in outs]
-        texts = (self._decode([list(r.token_ids) for r in rows]) if self._decode
-                 else [""] * len(rows))
+        first = self.version
+        if poll is None:
+            rows = [o.outputs[0] for o in self.llm.generate(prompts, sp, use_tqdm=False)]
+            rows = [(list(r.token_ids), [r.logprobs[t][tok].logprob for t, tok in
+                                         enumerate(r.token_ids)], None, r.finish_reason)
+                    for r in rows]
+        else:
+            rows = self._stepped(prompts, sp if isinstance(sp, list) else [sp] * len(prompts),
+                                 poll)
+        texts = self._decode([r[0] for r in rows]) if self._decode else [""] * len(rows)
         groups = [[] for _ in prompt_ids]
-        for k, (r, text) in enumerate(zip(rows, texts)):
-            toks = list(r.token_ids)
-            logp = [r.logprobs[t][tok].logprob for t, tok in enumerate(toks)]
+        for k, ((toks, logp, versions, finish), text) in enumerate(zip(rows, texts)):
             groups[k // n].append(Completion(
                 prompt_ids=list(prompt_ids[k // n]), token_ids=toks, text=text, logprobs=logp,
-                finish_reason="stop" if r.finish_reason == "stop" else "length",
-                generator_version=self.version,
+                finish_reason="stop" if finish == "stop" else "length",
+                generator_version=first,
+                versions=versions if versions and versions[-1] != first else None,
                 metadata={"backend": "vllm", "sample_index": k % n}))
         return check_completions(groups, len(prompt_ids), n)
+
+    def _stepped(self, prompts, params, poll):
+        """LLM.generate's loop, by hand: each request streams its new tokens (DELTA), tagged with
+        the weight version of the step that sampled them, and `poll` runs between steps. A request
+        admitted after an update may reuse prefix-cache blocks the old weights wrote, as a running
+        one reuses its own KV: what sampled is still what its logprobs record."""
+        from vllm.sampling_params import RequestOutputKind
+        engine, ids = self.llm.llm_engine, []
+        for k, (prompt, p) in enumerate(zip(prompts, params)):
+            p = p.clone()
+            p.output_kind = RequestOutputKind.DELTA
+            ids.append(f"inflight-{k}")  # outputs carry it (vLLM adds a suffix inside)
+            engine.add_request(ids[-1], prompt, p)
+        rows, first = {i: ([], [], [], None) for i in ids}, self.version
+        while engine.has_unfinished_requests():
+            version = self.version  # the weights this step samples with
+            for out in engine.step():
+                toks, logp, versions, _ = rows[out.request_id]
+                r = out.outputs[0]
+                toks += r.token_ids
+                logp += [lp[tok].logprob for lp, tok in zip(r.logprobs, r.token_ids)]
+                versions += [version] * len(r.token_ids)
+                if out.finished:
+                    rows[out.request_id] = (toks, logp, versions, r.finish_reason)
+            poll()
+        if self.version != first:  # update_weights could not reset the prefix cache while blocks
+            self.llm.reset_prefix_cache()  # were in use: now none is
+        return [rows[i] for i in ids]
 
     def _load_weights(self, named_tensors):
         """Reload HF-named tensors in place. Not enough on its own: the prefix cache still holds
@@ -390,13 +440,25 @@ class TorchGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,
-                 stop_token_ids=None, seed=None) -> list[list[Completion]]:
+                 stop_token_ids=None, seed=None, poll=None) -> list[list[Completion]]:
+        """poll: an in-flight weight update's hook, called at every token boundary; it may load new
+        weights (update_weights) and says so by returning True. The rows still running go on under
+        them, and each token records the version that sampled it (module docstring)."""
         _check_args(prompt_ids, n, temperature, max_tokens)
-        with self.fast_linears(len(prompt_ids) * n):
-            return self._generate(prompt_ids, n, temperature, top_p, top_k, max_tokens,
-                                  stop_token_ids, seed)
+        with contextlib.ExitStack() as linears:
+            linears.enter_context(self.fast_linears(len(prompt_ids) * n))
 
-    def _generate(self, prompt_ids, n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed):
+            def polled():  # new weights: the reordered copies are of the old ones
+                if poll is None or not poll():
+                    return False
+                linears.close()
+                linears.enter_context(self.fast_linears(len(prompt_ids) * n))
+                return True
+            return self._generate(prompt_ids, n, temperature, top_p, top_k, max_tokens,
+                                  stop_token_ids, seed, polled)
+
+    def _generate(self, prompt_ids, n, temperature, top_p, top_k, max_tokens, stop_token_ids, seed,
+                  polled):
         stop = torch.tensor(self.eos_ids if stop_token_ids is None else list(stop_token_ids),
                             dtype=torch.long, device=self.device)
         rng = self.rng if seed is None else torch.Generator(self.device).manual_seed(seed)
@@ -418,6 +480,7 @@ class TorchGenerator:
         pre = kvcache.KVCache(cfg, B, P, dtype, dev)
         logits = self.model(ids, position_ids=self._lib.mask_positions(pmask), attention_mask=pmask,
                             kv_cache=pre, cache_pos=0)[:, -1]
+        first, version = self.version, [self.version]  # version[t]: the weights behind token t
 
         # 2) rows (prompt i, sample j) -> i*n + j share their prompt's KV: the decode cache holds
         #    only what each row generates, and every step reads a prompt's keys once for its n rows
@@ -456,6 +519,10 @@ class TorchGenerator:
                 keep = (~done).nonzero()[:, 0]
                 cache.keep(keep)
                 next_pos, tok, done = next_pos[keep], tok[keep], done[keep]
+            # an in-flight update lands between tokens: the next forward runs the new weights over
+            # the KV cache the old ones wrote (kept, not recomputed: PipelineRL's choice)
+            polled()
+            version.append(self.version)
             # no mask: a running row attends to all it generated (a finished row's output is never
             # read)
             logits = self.model(tok[:, None], position_ids=(next_pos + t)[:, None], kv_cache=cache,
@@ -469,7 +536,9 @@ class TorchGenerator:
         groups = [[Completion(prompt_ids=list(prompt_ids[i]), token_ids=seqs[i * n + j],
                               text=texts[i * n + j], logprobs=logps[i * n + j][:lengths[i * n + j]],
                               finish_reason="stop" if stopped[i * n + j] else "length",
-                              generator_version=self.version,
+                              generator_version=first,
+                              versions=(version[:lengths[i * n + j]] if version[-1] != first
+                                        else None),
                               metadata={"backend": "torch", "sample_index": j})
                    for j in range(n)] for i in range(B)]
         return check_completions(groups, B, n)

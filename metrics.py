@@ -49,7 +49,18 @@ def rollout_stats(r, correct, lengths, groups, batch, step, env, max_staleness=0
             "rollout/staleness_max": float(age.max()),
             **{f"rollout/staleness_{j}": float((age == j).float().mean())
                for j in range(max_staleness + 1) if max_staleness},
+            **(inflight_stats(batch, step) if max_staleness else {}),
             **(episodes.stats(groups) if env else {})}
+
+
+def inflight_stats(batch, step):
+    """Where an in-flight update (rollout.inflight_updates) reached rows mid-sequence: the mean
+    staleness of their sampled tokens, and the share of rows sampled by more than one version."""
+    mask, v = batch["mask"], batch["tok_version"]
+    lo = torch.where(mask > 0, v, torch.inf).amin(1)
+    return {"rollout/token_staleness": float(losses.masked_mean(step - v, mask)),
+            "rollout/inflight_frac": float((v.masked_fill(mask == 0, -torch.inf).amax(1) > lo)
+                                           .float().mean())}
 
 
 def dp_mean(row, dp_group, dp):

@@ -57,10 +57,16 @@ def make_batch(problems, groups, pad_id):
         mask[i, :len(c.token_ids)] = 1
         if c.mask is not None:
             mask[i, :len(c.mask)] = torch.tensor(c.mask, dtype=torch.float32)
+    # the weight version that sampled each row's first token, and each token's (an in-flight update
+    # changes it mid-row: generator.Completion.versions)
     version = torch.tensor([float(c.generator_version) for _, c in seqs])
+    tok_version = version[:, None].repeat(1, R)
+    for i, (_, c) in enumerate(seqs):
+        if c.versions:
+            tok_version[i, :len(c.versions)] = torch.tensor(c.versions, dtype=torch.float32)
     prompt = torch.tensor([i for i, comps in enumerate(groups) for _ in comps])  # row -> its prompt
     return dict(ids=ids, attn=attn, mask=mask, gen_logp=gen_logp, P=P, version=version,
-                prompt=prompt)
+                tok_version=tok_version, prompt=prompt)
 
 
 def first_fit(lengths, capacity, decreasing=False):

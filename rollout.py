@@ -22,7 +22,9 @@ comes next; if they did, the run would hang until `dist.timeout_s`. With
 before that sync, so it generates while the trainers update on batch s: a k-batch pipeline whose
 weights are at most k versions old (each completion carries the version that sampled it). A run's
 first step fills the pipeline: batches s+1..s+k, all by the same weights, so staleness climbs
-0, 1, ..., k over the first k steps and then holds at k.
+0, 1, ..., k over the first k steps and then holds at k. With `rollout.inflight_updates` that sync
+reaches the generator mid-batch, at a token boundary (generate_step's `poll`): the rows still
+running go on under the new weights, each token tagged with its version (docs/off-policy.md).
 
 Colocated (`dist.generator_ranks = 0`) with `max_staleness = k`, a trainer generates batch s+k
 before it updates on batch s: the same data as the pipeline (batch s sampled by the weights k
@@ -45,10 +47,11 @@ generate_share plays whole episodes where it would sample completions; everythin
 collection, refill, staleness, eval) is unchanged, and score adds each episode's env reward to the
 rewards of its last reply.
 
-Left out: overlapping generation and training in colocated mode, and streaming or partial rollouts
-(a step's batch is collected whole). What was generated ahead is not checkpointed: a run resumed
-at step s with staleness k regenerates batches s..s+k with the restored weights (version s; the
-checkpoint holds no older weights), so its first batch is on-policy and staleness climbs again;
+Left out: overlapping generation and training in colocated mode, and handing a batch over mid-way
+(a step's batch is collected whole; rows unfinished at a deadline are not carried to the next
+step). What was generated ahead is not checkpointed: a run resumed at step s with staleness k
+regenerates batches s..s+k with the restored weights (version s; the checkpoint holds no older
+weights), so its first batch is on-policy and staleness climbs again;
 the prompts and sampling seeds are the same, so two resumes from one checkpoint agree exactly.
 """
 import time
@@ -126,14 +129,16 @@ def round_problems(train, step, round_, ro, seed):
                            "order" if round_ == 0 else f"refill_{round_}")
 
 
-def generate_step(gen, train, step, ro, seed, producer, num_producers, round_=0):
-    """This producer's share of step `step`'s batch (None on a rank without a generator)."""
+def generate_step(gen, train, step, ro, seed, producer, num_producers, round_=0, poll=None):
+    """This producer's share of step `step`'s batch (None on a rank without a generator). poll: an
+    in-flight weight update's hook (train_grpo.generator_loop; generator.py)."""
     if gen is None:
         return None
     dist.fault("kill_gen", step)  # test hook: SIGKILL this rank as it starts generating step s
     return generate_share(gen, round_problems(train, step, round_, ro, seed), producer,
                           num_producers, **sampling(ro, ro.group_size, ro.temperature,
-                                                    sample_seed(seed, step, round_)))
+                                                    sample_seed(seed, step, round_)),
+                          **({"poll": poll} if poll else {}))
 
 
 def informative(groups, problems, scorer):

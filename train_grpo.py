@@ -18,10 +18,12 @@ each run one vLLM engine; the others train on a (dp_shard, tp) mesh with FSDP2. 
 This file holds both loops: main() on the trainer ranks and generator_loop() on dedicated generator
 ranks, which read one schedule(s) and issue the same collectives in the same order. A step's batch
 (prompts, generation, collection, refill, eval) is rollout.py's.
-With `rollout.max_staleness = k` the generators run k batches ahead; their logprobs then serve as
-old_logp, so the PPO ratio is taken against the policy that actually sampled. A `loss.correction`
-(losses.CORRECTIONS: truncated IS, IcePop, masked IS, a geometric-mean mask) instead weighs each
-token by pi_old / pi_gen, pi_old being the trainer's own policy: the numeric gap and staleness.
+With `rollout.max_staleness = k` the generators run k batches ahead (with `rollout.inflight_updates`
+each sync reaches them mid-sequence, at a token boundary); their logprobs then serve as old_logp,
+so the PPO ratio is taken against the policy that actually sampled, token by token. A
+`loss.correction` (losses.CORRECTIONS: truncated IS, IcePop, masked IS, a geometric-mean mask)
+instead weighs each token by pi_old / pi_gen, pi_old being the trainer's own policy: the numeric
+gap and staleness.
 
 Deliberate departures from the papers:
 - the KL term and loss aggregation follow losses.py's canonical choices (see its docstring);
@@ -126,6 +128,9 @@ class Rollout:
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode
                                     # is launch-bound)
     max_staleness: int = 0          # 0 on-policy; k: generate batch s+k while training on s
+    inflight_updates: bool = False  # a weight sync reaches dedicated generator ranks mid-sequence:
+                                    # unfinished rows go on under the new weights, each token
+                                    # tagged with its version (docs/off-policy.md); needs k >= 1
     filter_zero_std: bool = False   # DAPO dynamic sampling: drop groups whose rewards are all
                                     # equal, and refill
     refill_rounds: int = 4          # dynamic sampling: at most this many extra rounds of B prompts
@@ -544,6 +549,8 @@ def main(argv=None):
         sync = {}
         with metrics.timed(perf, "perf/sync_s"):
             if plan.sync:
+                if ro.inflight_updates:  # the generators take it at their next token boundary
+                    weight_sync.announce(group, roles, s + 1)
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
                                                      receiver(gen, s + 1, merge))
             if roles.colocated and gen is not None:
@@ -599,15 +606,28 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start, m
         *_, got = rollout.step_rollout(gen, train, s, ro, seed, producer, num_producers,
                                        pending.pop(s, None), idle_s=idle)  # 4a-b
         idle = got["perf/wait_s"]  # this rank's share was ready: the trainers were still busy
-        # staleness k: batch s+k is generated now, with the weights that produced batch s's
-        # refill rounds, while the trainers update on batch s
-        for j in plan.ahead:
-            pending[j] = rollout.generate_step(gen, train, j, ro, seed, producer, num_producers)
-        if plan.sync:  # main: 4g; the wait for the trainers' update, then the transfer and load
+        # main: 4g, the new weights (v = s + 1). In flight, a token boundary of the generation
+        # below takes them when the trainers announce them (weight_sync.announce); else, or if
+        # the generation ends first, after it: the wait for the update, the transfer and the load
+        flag = weight_sync.Announced(group, roles) if plan.sync and ro.inflight_updates else None
+        synced = not plan.sync
+
+        def sync(wait=True):
+            nonlocal idle, synced
             t0 = time.perf_counter()
+            if synced or (flag is not None and not flag.arrived(wait)):
+                return False
             weight_sync.broadcast_weights(None, group, roles, cfg.dist.sync_bucket_mb,
                                           receiver(gen, s + 1, merge))
-            idle += time.perf_counter() - t0
+            idle, synced = idle + time.perf_counter() - t0, True
+            return True
+        # staleness k: batch s+k is generated now, with the weights that produced batch s's
+        # refill rounds (in flight, the newer ones from the token the sync lands on), while the
+        # trainers update on batch s
+        for j in plan.ahead:
+            pending[j] = rollout.generate_step(gen, train, j, ro, seed, producer, num_producers,
+                                               poll=(lambda: sync(wait=False)) if flag else None)
+        sync()
         if plan.eval:  # main: 4h
             rollout.evaluate(gen, held_out, producer, num_producers, ro, k, seed, reward_fns,
                              s + 1, is_trainer=False)

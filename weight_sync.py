@@ -23,6 +23,13 @@ norm and lm_head go last, together: vLLM defers a padded embedding (vocabulary n
 to the end of the load. Parameter names are HF names (model.py mirrors the HF tree), so no renaming
 table; a tied lm_head goes once as model.embed_tokens.weight (vLLM re-ties it on load).
 
+In flight (`rollout.inflight_updates`). A generator rank that is generating ahead cannot wait in
+the broadcast, and a collective cannot be polled. So trainer rank 0 first sends each generator one
+integer, the new version (`announce`, a point-to-point send over the sync group, gloo on CPU tensors
+in GPU jobs too), and then enters the broadcast; a generator checks for that message at every token
+boundary without waiting (`Announced`) and joins the broadcast there. The broadcast is the same
+collective either way, so both loops keep one order.
+
 Left out: CUDA IPC handles (verl's route for engines in other processes on the same GPU), quantised
 or delta transfers.
 """
@@ -195,3 +202,31 @@ def broadcast_weights(model, group, roles, bucket_mb=256, receive=None) -> dict:
     seconds = time.perf_counter() - t0
     return {"sync/bytes": nbytes, "sync/seconds": seconds,
             "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
+
+
+def announce(group, roles, version):
+    """Trainer rank 0, before the broadcast of weight version `version` in flight: tell every
+    generator rank (each takes it at its next token boundary: Announced). Other ranks: nothing."""
+    if roles.rank != roles.trainer_ranks[0]:
+        return
+    msg = torch.tensor([version], dtype=torch.long)
+    for w in [tdist.isend(msg, dst=g, group=group) for g in roles.generator_ranks]:
+        w.wait()  # a generator polls for it while generating: a short wait
+
+
+class Announced:
+    """A generator rank's side of `announce`: one posted receive, checked without waiting."""
+
+    def __init__(self, group, roles):
+        self.msg = torch.zeros(1, dtype=torch.long)
+        self.work = tdist.irecv(self.msg, src=roles.trainer_ranks[0], group=group)
+        self.polls = 0
+
+    def arrived(self, wait=False) -> bool:
+        """Has the announcement come? wait: block until it does (within dist.timeout_s). Test hook:
+        with inflight_at@N in $NANOFORGE_FAULT the N-th check waits, so the update lands exactly
+        there (tests/test_train_grpo.py)."""
+        self.polls += 1
+        if wait or dist.fault("inflight_at", self.polls):
+            self.work.wait()
+        return self.work.is_completed()

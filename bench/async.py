@@ -19,9 +19,15 @@ slack for uneven steps, not speed. In the stale runs the trainer's perf/sync_s i
 for the generator to finish batch s+k (the broadcast starts when both sides arrive), so only the
 step time and the two busy times are compared.
 
+`--inflight=off,on` runs each k >= 1 twice, the second time with `rollout.inflight_updates`: the
+sync lands at the generator's next token boundary instead of after its batch, so the trainer leaves
+the broadcast as soon as its update is done, and the batch's later tokens come from the newer
+weights (token staleness, the share of rows updated mid-sequence).
+
     .venv/bin/python bench/async.py                    # bench/results/async.json
     .venv/bin/python bench/async.py --staleness 0,1 --steps 2 --warmup 1 \
         -- --rollout.prompts_per_step=4                # smoke run
+    .venv/bin/python bench/async.py --inflight=off,on --out=bench/results/async_inflight.json
 """
 import argparse
 import importlib.util
@@ -45,14 +51,18 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "async.json"))
     p.add_argument("--staleness", default="0,1,2", help="rollout.max_staleness values, a,b,...")
+    p.add_argument("--inflight", default="off", help="off, on or off,on: rollout.inflight_updates "
+                   "(each k >= 1 once per value)")
     p.add_argument("overrides", nargs="*", help="train_grpo.py overrides, after --")
     args = p.parse_args()
     roof = machine.roofline()  # first: the figures this run's speeds are read against
 
     runs, ks = {}, [int(k) for k in args.staleness.split(",")]
-    for k in ks:
+    cells = [(k, on) for k in ks for on in args.inflight.split(",") if k or on == "off"]
+    for k, on in cells:
         with tempfile.TemporaryDirectory() as tmp:
-            rows, rss, wall = step.run_grpo([*args.overrides, f"--rollout.max_staleness={k}"],
+            rows, rss, wall = step.run_grpo([*args.overrides, f"--rollout.max_staleness={k}",
+                                             f"--rollout.inflight_updates={on == 'on'}"],
                                             args.warmup + args.steps + 1, tmp)
         rows = rows[args.warmup:args.warmup + args.steps]
         med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
@@ -60,23 +70,30 @@ def main():
         s, g, t = med("perf/step_s"), med("perf/gen_s"), med("perf/train_s")
         busy = statistics.median(r["perf/step_s"] - r["perf/wait_s"] - r["perf/sync_s"]
                                  for r in rows)
-        run = runs[k] = dict(
+        name = f"staleness{k}" + ("_inflight" if on == "on" else "")
+        run = runs[name] = dict(
             step_s=s, gen_s=g, train_s=t, max_gen_train_s=max(g, t), sum_gen_train_s=g + t,
             ratio_step_over_max=s / max(g, t), wait_s=med("perf/wait_s"),
             sync_s=med("perf/sync_s"), trainer_busy_s=busy, staleness_mean=med("rollout/staleness"),
             trainer_idle_share=share("perf/wait_s"), generator_idle_share=share("perf/gen_idle_s"),
+            token_staleness_mean=med("rollout/token_staleness") if k else 0.0,
+            inflight_frac=med("rollout/inflight_frac") if k else 0.0,
             peak_rss_mb=rss, wall_s=wall,
             per_step=[{key: r[key] for key in r if key.startswith("perf/")} for r in rows])
-        print(f"max_staleness={k}: step {s:.3f} s, gen {g:.3f} s, train {t:.3f} s, "
+        print(f"{name}: step {s:.3f} s, gen {g:.3f} s, train {t:.3f} s, "
               f"step / max(gen, train) = {s / max(g, t):.2f}, step / (gen + train) = "
               f"{s / (g + t):.2f}, idle: trainer {run['trainer_idle_share']:.0%}, generator "
-              f"{run['generator_idle_share']:.0%}", flush=True)
+              f"{run['generator_idle_share']:.0%}, token staleness "
+              f"{run['token_staleness_mean']:.2f}, rows updated mid-sequence "
+              f"{run['inflight_frac']:.0%}",
+              flush=True)
     result = dict(workload="configs/tiny.py, random tiny checkpoint, 1 trainer + 1 vLLM rank",
                   overrides=args.overrides, warmup=args.warmup, steps=args.steps, target_ratio=1.15,
-                  machine=roof, **{f"staleness{k}": runs[k] for k in ks})
-    if 0 in runs and 1 in runs:
-        result["speedup_1_over_0"] = speedup = runs[0]["step_s"] / runs[1]["step_s"]
-        result["target_met"] = runs[1]["ratio_step_over_max"] <= 1.15
+                  machine=roof, **runs)
+    if "staleness0" in runs and "staleness1" in runs:
+        result["speedup_1_over_0"] = speedup = (runs["staleness0"]["step_s"]
+                                                / runs["staleness1"]["step_s"])
+        result["target_met"] = runs["staleness1"]["ratio_step_over_max"] <= 1.15
         print(f"staleness 1 vs 0: {speedup:.2f}x faster per step (target: step <= 1.15 x "
               f"max(gen, train) -> {'met' if result['target_met'] else 'NOT met'})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

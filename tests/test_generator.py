@@ -337,6 +337,66 @@ def test_prefix_cache_reset_matters(vllm_engine, tiny_ckpt):
         vllm_engine.update_weights(orig, version=version)
 
 
+def inflight_poll(engine, new, version, at):
+    """A poll that loads `new` into `engine` as `version` on its `at`-th call: after token at - 1,
+    so tokens 0..at-1 come from the old weights and the rest from the new."""
+    calls = []
+
+    def poll():
+        calls.append(1)
+        if len(calls) == at:
+            engine.update_weights(new, version=version)
+            return True
+        return False
+    return poll
+
+
+def test_inflight_update_with_the_same_weights_changes_nothing_but_versions(gen, tiny_ckpt):
+    """A weight update mid-sequence that loads the weights already there: the tokens and logprobs of
+    the plain call (vLLM: its engine stepped by hand, as a poll needs), every token after the update
+    tagged with the new version."""
+    prompts, kw = make_prompts(3, seed=11), dict(n=2, temperature=1.0, max_tokens=10,
+                                                 stop_token_ids=[], seed=5)
+    version = gen.version
+    same = list(Transformer.from_pretrained(tiny_ckpt).named_parameters())
+    try:
+        plain = gen.generate(prompts, **kw)
+        polled = gen.generate(prompts, **kw, poll=inflight_poll(gen, same, version + 1, at=4))
+    finally:
+        gen.update_weights(same, version=version)
+    for g, h in zip(plain, polled):
+        for a, b in zip(g, h):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+            assert b.generator_version == version
+            assert b.token_versions() == [version] * 4 + [version + 1] * 6
+
+
+def test_inflight_update_samples_each_token_with_the_weights_of_its_step(gen, ref_model, tiny_ckpt):
+    """The update changes only the final norm, which no KV entry depends on: so each token's
+    recorded logprob is exactly the old model's (before the update) or the new one's (after), both
+    teacher-forced by model.py: the generator switched between two tokens, kept its cache, and
+    tagged each token with the version that sampled it."""
+    prompts, kw = make_prompts(3, seed=12), dict(n=2, temperature=1.0, max_tokens=10,
+                                                 stop_token_ids=[], seed=6)
+    version = gen.version
+    new_model = Transformer.from_pretrained(tiny_ckpt).eval()
+    norm = new_model.model.norm.weight
+    with torch.no_grad():
+        norm.mul_(3.0).add_(torch.randn(norm.shape, generator=torch.Generator().manual_seed(0)))
+    try:
+        groups = gen.generate(prompts, **kw, poll=inflight_poll(
+            gen, list(new_model.named_parameters()), version + 1, at=4))
+    finally:
+        gen.update_weights(list(ref_model.named_parameters()), version=version)
+    for c in (c for g in groups for c in g):
+        assert c.generator_version == version
+        assert c.token_versions() == [version] * 4 + [version + 1] * 6
+        old, new = model_logp(ref_model, c), model_logp(new_model, c)
+        got = torch.tensor(c.logprobs)
+        assert (got[:4] - old[:4]).abs().max() < TOL and (got[4:] - new[4:]).abs().max() < TOL
+        assert (got[4:] - old[4:]).abs().max() > 1e-2  # the update did change what sampled
+
+
 def test_sleep_then_update_wakes_weights_load_then_kv(vllm_engine, tiny_ckpt):
     """Colocated sleep on the real engine. On CPU the worker's sleep frees nothing, but the engine core really pauses
     its scheduler and tracks the sleeping tags (vLLM 0.32 v1/engine/core.py EngineCore.sleep / wake_up), so the order

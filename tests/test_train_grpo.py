@@ -264,6 +264,29 @@ def test_staleness_two_killed_between_steps_resumes_deterministically(tmp_path, 
     assert [json.loads(line) for line in open(tmp_path / "b" / "prompts.jsonl")][-4:] == prompts[2:]
 
 
+@pytest.mark.parametrize("backend", ["torch", "vllm"])
+def test_inflight_updates_land_mid_sequence_and_each_token_keeps_its_version(tmp_path, start_ckpt, backend):
+    """1 trainer + 1 generator rank at max_staleness=2 with in-flight updates: the sync after step s
+    reaches the generator while it samples batch s+2 (the inflight_at@3 hook makes it land exactly
+    after each row's third token, so the run is deterministic; without it, wherever the update ends).
+    Oracles, from the schedule: rows keep the version of their first token (staleness 0 1 1 2 2)
+    while their tokens are fresher, and exactly the batches generated across a sync are mixed:
+    batches 2, 4 and 5 (3 was generated after step 1's sync had landed in batch 2)."""
+    args = [f"--model.path={start_ckpt}", f"--rollout.backend={backend}", "--train.steps=5",
+            "--rollout.max_staleness=2", "--rollout.inflight_updates=true", "--eval.every=0",
+            "--loss.entropy_coef=0.01", "--optim.lr=0.01", "--log.run=f"]
+    run(args, tmp_path, extra_env={"NANOFORGE_FAULT": "inflight_at@3"})
+    rows = [r for r in metrics(tmp_path / "f" / "metrics.jsonl") if "perf/step_s" in r]
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 2, 2]
+    mixed = [r["rollout/inflight_frac"] for r in rows]
+    assert mixed[0] == mixed[2] == 0 and min(mixed[1], mixed[3], mixed[4]) > 0.5, mixed
+    token = [r["rollout/token_staleness"] for r in rows]
+    assert token[0] == 0 and token[2] == 1, token
+    for i in (1, 3, 4):  # 3 of ~24 tokens at the older version
+        assert rows[i]["rollout/staleness"] - 1 < token[i] < rows[i]["rollout/staleness"] - 0.5, token
+    assert all(math.isfinite(r["loss/total"]) for r in rows)
+
+
 def test_mismatch_and_drift_measure_the_policy_before_the_update_with_four_minibatches(
         tmp_path, start_ckpt):
     """train.minibatches=4 takes four optimizer steps a batch. Mismatch compares the sampler with
