@@ -271,10 +271,13 @@ def test_inflight_updates_land_mid_sequence_and_each_token_keeps_its_version(tmp
     after each row's third token, so the run is deterministic; without it, wherever the update ends).
     Oracles, from the schedule: rows keep the version of their first token (staleness 0 1 1 2 2)
     while their tokens are fresher, and exactly the batches generated across a sync are mixed:
-    batches 2, 4 and 5 (3 was generated after step 1's sync had landed in batch 2)."""
+    batches 2, 4 and 5 (3 was generated after step 1's sync had landed in batch 2). The vLLM rank
+    plays calculator episodes, so the poll also runs through episodes.MultiTurn."""
     args = [f"--model.path={start_ckpt}", f"--rollout.backend={backend}", "--train.steps=5",
             "--rollout.max_staleness=2", "--rollout.inflight_updates=true", "--eval.every=0",
             "--loss.entropy_coef=0.01", "--optim.lr=0.01", "--log.run=f"]
+    if backend == "vllm":
+        args += ["--rollout.env=calculator", "--rollout.overlong_cache=0"]
     run(args, tmp_path, extra_env={"NANOFORGE_FAULT": "inflight_at@3"})
     rows = [r for r in metrics(tmp_path / "f" / "metrics.jsonl") if "perf/step_s" in r]
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 2, 2]
