@@ -550,7 +550,7 @@ def main(argv=None):
         with metrics.timed(perf, "perf/sync_s"):
             if plan.sync:
                 if ro.inflight_updates:  # the generators take it at their next token boundary
-                    weight_sync.announce(group, roles, s + 1)
+                    weight_sync.announce(roles, s + 1)
                 sync = weight_sync.broadcast_weights(model, group, roles, cfg.dist.sync_bucket_mb,
                                                      receiver(gen, s + 1, merge))
             if roles.colocated and gen is not None:
@@ -609,7 +609,8 @@ def generator_loop(gen, roles, group, cfg, train, held_out, reward_fns, start, m
         # main: 4g, the new weights (v = s + 1). In flight, a token boundary of the generation
         # below takes them when the trainers announce them (weight_sync.announce); else, or if
         # the generation ends first, after it: the wait for the update, the transfer and the load
-        flag = weight_sync.Announced(group, roles) if plan.sync and ro.inflight_updates else None
+        flag = (weight_sync.Announced(s + 1, cfg.dist.timeout_s)
+                if plan.sync and ro.inflight_updates else None)
         synced = not plan.sync
 
         def sync(wait=True):

@@ -24,15 +24,17 @@ to the end of the load. Parameter names are HF names (model.py mirrors the HF tr
 table; a tied lm_head goes once as model.embed_tokens.weight (vLLM re-ties it on load).
 
 In flight (`rollout.inflight_updates`). A generator rank that is generating ahead cannot wait in
-the broadcast, and a collective cannot be polled. So trainer rank 0 first sends each generator one
-integer, the new version (`announce`, a point-to-point send over the sync group, gloo on CPU tensors
-in GPU jobs too), and then enters the broadcast; a generator checks for that message at every token
-boundary without waiting (`Announced`) and joins the broadcast there. The broadcast is the same
-collective either way, so both loops keep one order.
+the broadcast, and a collective cannot be polled. So trainer rank 0 first sets a key naming the new
+version in the rendezvous store every rank shares (`announce`), and then enters the broadcast; a
+generator checks for that key at every token boundary without waiting (`Announced`: one store
+round-trip) and joins the broadcast there. The broadcast is the same collective either way, so both
+loops keep one order.
 
 Left out: CUDA IPC handles (verl's route for engines in other processes on the same GPU), quantised
 or delta transfers.
 """
+import datetime
+import os
 import time
 
 import torch
@@ -204,23 +206,30 @@ def broadcast_weights(model, group, roles, bucket_mb=256, receive=None) -> dict:
             "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
 
-def announce(group, roles, version):
+def _store():
+    # NOTE: _get_default_store is private, but the only handle on the store every rank already
+    # shares (dist.explain_failure uses it too)
+    return tdist.distributed_c10d._get_default_store()
+
+
+def _key(version):
+    # a torchrun restart (--max-restarts) keeps the store: its keys name the attempt
+    return f"nanoforge/inflight/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{version}"
+
+
+def announce(roles, version):
     """Trainer rank 0, before the broadcast of weight version `version` in flight: tell every
-    generator rank (each takes it at its next token boundary: Announced). Other ranks: nothing."""
-    if roles.rank != roles.trainer_ranks[0]:
-        return
-    msg = torch.tensor([version], dtype=torch.long)
-    for w in [tdist.isend(msg, dst=g, group=group) for g in roles.generator_ranks]:
-        w.wait()  # a generator polls for it while generating: a short wait
+    generator rank, which takes it at its next token boundary (Announced). Other ranks: nothing."""
+    if roles.rank == roles.trainer_ranks[0]:
+        _store().set(_key(version), "1")
 
 
 class Announced:
-    """A generator rank's side of `announce`: one posted receive, checked without waiting."""
+    """A generator rank's side of `announce`: a key in the rendezvous store, checked without
+    waiting (a posted gloo receive cannot be: its is_completed() stays False until wait())."""
 
-    def __init__(self, group, roles):
-        self.msg = torch.zeros(1, dtype=torch.long)
-        self.work = tdist.irecv(self.msg, src=roles.trainer_ranks[0], group=group)
-        self.polls = 0
+    def __init__(self, version, timeout_s):
+        self.key, self.timeout, self.polls = _key(version), datetime.timedelta(seconds=timeout_s), 0
 
     def arrived(self, wait=False) -> bool:
         """Has the announcement come? wait: block until it does (within dist.timeout_s). Test hook:
@@ -228,5 +237,6 @@ class Announced:
         there (tests/test_train_grpo.py)."""
         self.polls += 1
         if wait or dist.fault("inflight_at", self.polls):
-            self.work.wait()
-        return self.work.is_completed()
+            _store().wait([self.key], self.timeout)
+            return True
+        return _store().check([self.key])
