@@ -316,6 +316,22 @@ def hang(roles, out):
     return {}
 
 
+def announce2(roles, out):
+    """1 trainer + 1 generator rank: the generator's non-blocking check sees an in-flight update's
+    announcement only once the trainer has made it, and without waiting for it."""
+    flag = W.Announced(3, timeout_s=10)
+    dist.barrier()
+    before = flag.arrived() if roles.is_generator else None
+    dist.barrier()
+    if roles.is_trainer:
+        W.announce(roles, 3)
+    dist.barrier()
+    seen, start = False, time.time()
+    while roles.is_generator and not seen and time.time() - start < 5:
+        seen = flag.arrived()
+    return {"before": before, "seen": seen, "other_version": W.Announced(4, timeout_s=10).arrived()}
+
+
 def world1(roles, out):
     """Plain `python` (no torchrun): a world of one, colocated, through the same calls."""
     cfg = tiny_cfg("llama", tie=True)
@@ -339,12 +355,12 @@ def world1(roles, out):
 
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
-    generator_ranks = {"sync2": 1, "sync3": 1}.get(scenario, 0)
+    generator_ranks = {"sync2": 1, "sync3": 1, "announce2": 1}.get(scenario, 0)
     timeout_s = {"die": 10, "hang": 5}.get(scenario, 120)
     roles = D.get_roles(generator_ranks)
     D.init_distributed(roles, timeout_s=timeout_s)
     fn = {"trainers2": trainers2, "compiled2": compiled2, "sync2": lambda r, o: sync(r, o, 1), "sync3": lambda r, o: sync(r, o, 2),
-          "die": die, "hang": hang, "world1": world1}[scenario]
+          "die": die, "hang": hang, "world1": world1, "announce2": announce2}[scenario]
     res = fn(roles, out)
     with open(Path(out) / f"{scenario}_rank{roles.rank}.json", "w") as f:
         json.dump(res, f, indent=1)

@@ -145,6 +145,17 @@ def test_bucket_plan_keeps_units_whole(bucket_bytes):
 
 
 @pytest.mark.slow
+def test_an_inflight_announcement_is_seen_without_waiting(tmp_path):
+    """weight_sync.announce / Announced across two ranks: False before, True after, without a wait
+    (a posted gloo receive would have stayed False: its is_completed() needs wait() first), and only
+    for the version announced."""
+    rc, log, _ = launch("announce2", tmp_path)
+    assert_ok(rc, log)
+    gen = results(tmp_path, "announce2", 1)
+    assert gen == {"before": False, "seen": True, "other_version": False}, gen
+
+
+@pytest.mark.slow
 def test_plain_python_is_a_world_of_one(tmp_path):
     rc, log, _ = launch("world1", tmp_path, torchrun=False, timeout=90)
     assert_ok(rc, log)
