@@ -51,8 +51,9 @@ Left out: overlapping generation and training in colocated mode, and handing a b
 (a step's batch is collected whole; rows unfinished at a deadline are not carried to the next
 step). What was generated ahead is not checkpointed: a run resumed at step s with staleness k
 regenerates batches s..s+k with the restored weights (version s; the checkpoint holds no older
-weights), so its first batch is on-policy and staleness climbs again;
-the prompts and sampling seeds are the same, so two resumes from one checkpoint agree exactly.
+weights), so its first batch is on-policy and staleness climbs again; the prompts and sampling
+seeds are the same, so two resumes from one checkpoint agree exactly (in flight, where an update
+lands depends on timing: docs/off-policy.md).
 """
 import time
 
