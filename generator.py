@@ -56,11 +56,11 @@ calls run, so the order is tested there.
 
 In-flight weight updates (`generate(..., poll=)`): poll runs at every token boundary (the torch
 generator between decode steps; vLLM's engine, stepped by hand, between scheduler steps) and may
-load new weights. The rows still running go on under them over the KV cache the old weights wrote (kept,
-not recomputed, as PipelineRL does), and each token records the version whose forward sampled it
-(Completion.versions) beside its logprob, which is exactly the sampler's: so the trainer's ratio and
-every correction stay per token and exact (tests/test_generator.py: an update that changes only the
-final norm, on which no KV depends, against both models teacher-forced).
+load new weights. The rows still running go on under them over the KV cache the old weights wrote
+(kept, not recomputed, as PipelineRL does), and each token records the version whose forward sampled
+it (Completion.versions) beside its logprob, which is exactly the sampler's: so the trainer's ratio
+and every correction stay per token and exact (tests/test_generator.py: an update that changes only
+the final norm, on which no KV depends, against both models teacher-forced).
 
 Deliberately left out: streaming generation, multi-GPU tensor parallelism inside vLLM, vLLM's
 own LoRA serving (a LoRA run's generators load merged weights: lora.py), stop strings.

@@ -233,12 +233,16 @@ def test_staleness_takes_any_bound_and_refuses_a_negative_one(tiny_ckpt):
 
 def test_inflight_updates_need_dedicated_generator_ranks_generating_ahead(tiny_ckpt):
     import train_grpo
-    base = [str(ROOT / "configs" / "tiny.py"), f"--model.path={tiny_ckpt}", "--rollout.inflight_updates=true"]
-    for extra, world, wrong in ((["--dist.generator_ranks=0", "--rollout.max_staleness=1"], 1, "not 0"),
-                                (["--dist.generator_ranks=1", "--rollout.max_staleness=0"], 2, r"not 0\)")):
-        with pytest.raises(config.ConfigError, match=f"rollout.inflight_updates=True needs .*{wrong}"):
+    base = [str(ROOT / "configs" / "tiny.py"), f"--model.path={tiny_ckpt}",
+            "--rollout.inflight_updates=true"]
+    cases = ((["--dist.generator_ranks=0", "--rollout.max_staleness=1"], 1, "not 0"),
+             (["--dist.generator_ranks=1", "--rollout.max_staleness=0"], 2, r"not 0\)"))
+    for extra, world, wrong in cases:
+        with pytest.raises(config.ConfigError,
+                           match=f"rollout.inflight_updates=True needs .*{wrong}"):
             checks.grpo(train_grpo.parse_config([*base, *extra]), world)
-    checks.grpo(train_grpo.parse_config([*base, "--dist.generator_ranks=1", "--rollout.max_staleness=2"]), 2)
+    ok = [*base, "--dist.generator_ranks=1", "--rollout.max_staleness=2"]
+    checks.grpo(train_grpo.parse_config(ok), 2)
 
 
 def test_loss_correction_names_a_rule_or_a_user_file_and_a_threshold_above_one(tiny_ckpt, tmp_path):

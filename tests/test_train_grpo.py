@@ -265,10 +265,12 @@ def test_staleness_two_killed_between_steps_resumes_deterministically(tmp_path, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "vllm"])
-def test_inflight_updates_land_mid_sequence_and_each_token_keeps_its_version(tmp_path, start_ckpt, backend):
+def test_inflight_updates_land_mid_sequence_and_each_token_keeps_its_version(tmp_path, start_ckpt,
+                                                                            backend):
     """1 trainer + 1 generator rank at max_staleness=2 with in-flight updates: the sync after step s
     reaches the generator while it samples batch s+2 (the inflight_at@3 hook makes it land exactly
-    after each row's third token, so the run is deterministic; without it, wherever the update ends).
+    after each row's third token, so the run is deterministic; without it, wherever the update
+    ends).
     Oracles, from the schedule: rows keep the version of their first token (staleness 0 1 1 2 2)
     while their tokens are fresher, and exactly the batches generated across a sync are mixed:
     batches 2, 4 and 5 (3 was generated after step 1's sync had landed in batch 2). The vLLM rank
@@ -286,7 +288,8 @@ def test_inflight_updates_land_mid_sequence_and_each_token_keeps_its_version(tmp
     token = [r["rollout/token_staleness"] for r in rows]
     assert token[0] == 0 and token[2] == 1, token
     for i in (1, 3, 4):  # 3 of ~24 tokens at the older version
-        assert rows[i]["rollout/staleness"] - 1 < token[i] < rows[i]["rollout/staleness"] - 0.5, token
+        stale = rows[i]["rollout/staleness"]
+        assert stale - 1 < token[i] < stale - 0.5, token
     assert all(math.isfinite(r["loss/total"]) for r in rows)
 
 
