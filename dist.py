@@ -315,6 +315,12 @@ def fault_nan(loss, step):
     return loss * float("nan") if fault("nan", step) else loss
 
 
+def default_store():
+    """The rendezvous store every rank already shares (torchrun's; it lives in the agent, so it
+    outlives a dead worker). NOTE: _get_default_store is private, but the only handle on it."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def explain_failure(e: BaseException, wait_s: float = 3.0) -> str | None:
     """For an exception out of a collective (gloo/NCCL): which ranks are lost? The survivors check
     in at the rendezvous store (it lives in torchrun's agent, so it outlives a dead worker), wait
@@ -326,10 +332,8 @@ def explain_failure(e: BaseException, wait_s: float = 3.0) -> str | None:
                                          or "NCCL" in text):
         return None
     rank, first_line = dist.get_rank(), text.splitlines()[0][:300]
-    # NOTE: _get_default_store is private, but the only handle on the store every rank already
-    # shares
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         store.add(f"nanoforge/checkin/{rank}", 1)
         time.sleep(wait_s)
         lost = [r for r in range(dist.get_world_size())

@@ -206,12 +206,6 @@ def broadcast_weights(model, group, roles, bucket_mb=256, receive=None) -> dict:
             "sync/gbps": nbytes / max(seconds, 1e-9) / 1e9}
 
 
-def _store():
-    # NOTE: _get_default_store is private, but the only handle on the store every rank already
-    # shares (dist.explain_failure uses it too)
-    return tdist.distributed_c10d._get_default_store()
-
-
 def _key(version):
     # a torchrun restart (--max-restarts) keeps the store: its keys name the attempt
     return f"nanoforge/inflight/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{version}"
@@ -221,7 +215,7 @@ def announce(roles, version):
     """Trainer rank 0, before the broadcast of weight version `version` in flight: tell every
     generator rank, which takes it at its next token boundary (Announced). Other ranks: nothing."""
     if roles.rank == roles.trainer_ranks[0]:
-        _store().set(_key(version), "1")
+        dist.default_store().set(_key(version), "1")
 
 
 class Announced:
@@ -237,6 +231,6 @@ class Announced:
         there (tests/test_train_grpo.py)."""
         self.polls += 1
         if wait or dist.fault("inflight_at", self.polls):
-            _store().wait([self.key], self.timeout)
+            dist.default_store().wait([self.key], self.timeout)
             return True
-        return _store().check([self.key])
+        return dist.default_store().check([self.key])
