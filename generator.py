@@ -433,10 +433,10 @@ class TorchGenerator:
     def fast_linears(self, rows):
         # not fp32 weights run in bf16
         use = self.onednn and self.dtype in (None, next(self.model.parameters()).dtype)
-        packed = {} if not use else self._packed if self._own and self._packed else \
+        packed = [] if not use else self._packed if self._own and self._packed else \
             machine.onednn_weights(self.model, rows)
         self._packed = packed if self._own else None
-        return machine.linears_on(packed)
+        return machine.linears_on(self.model, packed)
 
     @torch.no_grad()
     def generate(self, prompt_ids, n=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=64,

@@ -21,8 +21,9 @@ constant in a config:
   imported; logged with the threads).
 - `onednn_weights` / `linears_on`: a decode step multiplies a few rows by every weight, where
   F.linear runs far below the matmul rate on CPU; the same weights reordered once for oneDNN run
-  faster there, in fp32 and in bf16 where oneDNN has bf16 kernels (the torch generator uses them;
-  docs/performance.md#the-decode-step).
+  faster there, in fp32 and in bf16 where oneDNN has bf16 kernels. The torch generator takes that
+  path by changing how F.linear multiplies by those weights, never which code runs
+  (OneDNNLinears; docs/performance.md#the-decode-step).
 - `available_bytes`: the memory the OS can give now, which bounds what a CPU vLLM engine's KV cache
   may take.
 - `roofline`: what every bench/ result records first (the figures its speeds are read against): CPU
@@ -34,6 +35,8 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 # bf16 costs train/generator agreement (0.037 nats per token vs 2e-6 in fp32): only for speed
 BF16_MIN_SPEEDUP = 1.25
@@ -240,80 +243,100 @@ def roofline(shapes=()) -> dict:
     return out
 
 
-# Box B (AVX2, 2 threads), 16 rows x SmolLM2-135M's weights: F.linear 14-35 GFLOP/s, the weight
-# reordered once into oneDNN's blocked layout 45-53 (the 576 x 49152 lm_head: 14 -> 52). oneDNN's
-# ~50 us a call loses below this many weight elements (576 x 192: even; the toy's 128 x 384: 2x
-# slower). bench/decode.py measures both.
+# A decode step's Linears gain from oneDNN's blocked layout above this many weight elements; below
+# it oneDNN's fixed cost a call loses (docs/performance.md#the-decode-step; bench/decode.py)
 ONEDNN_MIN_WEIGHT = 1 << 18
 
 
-# model.Attention's, MLP's
-FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+# model.py's projections that read the same input: a block's q, k and v; its gate and up
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def onednn_weights(model, rows: int) -> dict:
-    """{module: (attribute, weight, bias, split sizes)}: the Linears big enough to gain, each weight
-    reordered for oneDNN's matmul at about `rows` rows, to run as the module's `forward`; the
-    projections that read the same input (FUSED: a block's q, k and v, its gate and up) stacked into
-    one matmul, run as model.Attention.qkv or MLP.gate_up and split after (one call instead of
-    three: the k and v projections alone are too small to gain). A module whose method a fork
-    changed (a subclass, or a patched method or Linear) keeps its own code. {} where it does not
-    apply: a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16,
-    sharded (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights
-    change."""
+def onednn_weights(model, rows: int) -> list:
+    """[(weights, biases, packed weight, packed bias, sizes)]: one matmul each, for the Linears big
+    enough to gain, their weights reordered for oneDNN's matmul at about `rows` rows; a group of
+    FUSED projections of one module stacked into one matmul (one call instead of three: the k and v
+    projections alone are too small to gain), split after into `sizes`. [] where it does not apply:
+    a GPU, bf16 where oneDNN has no bf16 kernels (AVX2), a dtype other than fp32 or bf16, sharded
+    (DTensor) weights, a torch without oneDNN. A copy: rebuild it whenever the weights change."""
     from torch.distributed.tensor import DTensor
     if not torch.backends.mkldnn.is_available():
-        return {}
+        return []
     dtypes = ((torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported()
               else (torch.float32,))
 
-    import model as model_lib
-    own = {"qkv": model_lib.Attention.qkv, "gate_up": model_lib.MLP.gate_up,
-           "forward": torch.nn.Linear.forward}
-
-    # model.py's own method runs there, not a subclass's or a patched one: a fork's change stays in
-    # force
-    def untouched(mod, attr):
-        return attr not in vars(mod) and getattr(type(mod), attr, None) is own[attr]
-
     def fits(mod):
-        return (isinstance(mod, torch.nn.Linear) and untouched(mod, "forward")
-                and not isinstance(mod.weight, DTensor) and mod.weight.device.type == "cpu"
-                and mod.weight.dtype in dtypes)
-    out, done = {}, set()
+        return (isinstance(mod, torch.nn.Linear) and not isinstance(mod.weight, DTensor)
+                and mod.weight.device.type == "cpu" and mod.weight.dtype in dtypes)
+
+    def packed(lins):
+        w = torch.cat([lin.weight.detach() for lin in lins])
+        b = None if all(lin.bias is None for lin in lins) else torch.cat(
+            [lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
+             for lin in lins])
+        return ([lin.weight for lin in lins], [lin.bias for lin in lins],
+                torch.ops.mkldnn._reorder_linear_weight(w, rows), b,
+                [lin.out_features for lin in lins])
+    out, done = [], set()
     for mod in model.modules():
-        for attr, names in FUSED.items():
+        for names in FUSED:
             lins = [getattr(mod, n, None) for n in names]
-            if not hasattr(mod, attr) or not untouched(mod, attr):
-                continue
             if (all(fits(lin) for lin in lins)
                     and sum(lin.weight.numel() for lin in lins) >= ONEDNN_MIN_WEIGHT):
-                w = torch.cat([lin.weight.detach() for lin in lins])
-                b = None if all(lin.bias is None for lin in lins) else torch.cat(
-                    [lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
-                     for lin in lins])
-                out[mod] = (attr, torch.ops.mkldnn._reorder_linear_weight(w, rows), b,
-                            [lin.out_features for lin in lins])
+                out.append(packed(lins))
                 done.update(lins)
-    for mod in model.modules():
-        if mod not in done and fits(mod) and mod.weight.numel() >= ONEDNN_MIN_WEIGHT:
-            out[mod] = ("forward",
-                        torch.ops.mkldnn._reorder_linear_weight(mod.weight.detach(), rows),
-                        mod.bias, None)
-    return out
+    return out + [packed([mod]) for mod in model.modules()
+                  if mod not in done and fits(mod) and mod.weight.numel() >= ONEDNN_MIN_WEIGHT]
+
+
+class OneDNNLinears(TorchFunctionMode):
+    """F.linear(x, W, b) for a W of `groups` (onednn_weights) runs on the reordered copy: the same
+    product, fp32 summed in another order (~1e-6 relative). Whatever code calls it, model.py's or a
+    fork's, runs as written: only the product's kernel changes. A group's stacked product is taken
+    at its first member's call and handed to the others while they bring the same x and their own
+    bias; any other call is F.linear's."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.of = {w: (g, i) for g in groups for i, w in enumerate(g[0])}  # weight -> group, index
+        self.ready = {}  # id(group) -> (x, its outputs not handed out yet)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = self.of.get(args[1]) if func is F.linear else None
+        if hit is None:
+            return func(*args, **kwargs)
+        (_, biases, w, b, sizes), i = hit
+        x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
+        if bias is not biases[i]:
+            return func(*args, **kwargs)
+        x_then, ys = self.ready.get(id(hit[0]), (None, None))
+        if x_then is not x or ys[i] is None:
+            ys = list(torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "").split(sizes, -1))
+            self.ready[id(hit[0])] = (x, ys)
+        y, ys[i] = ys[i], None
+        return y
 
 
 @contextlib.contextmanager
-def linears_on(weights: dict):
-    """Within the block, each module in `weights` multiplies by its reordered weight (same math,
-    fp32 summation in another order: ~1e-6 relative)."""
-    for mod, (attr, w, b, sizes) in weights.items():
-        def mm(x, w=w, b=b, sizes=sizes):
-            y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-            return y if sizes is None else y.split(sizes, -1)
-        setattr(mod, attr, mm)
+def linears_on(model, groups: list):
+    """Within the block, the Linears of `groups` multiply by their reordered weights
+    (OneDNNLinears). The mode is entered around each of those Linears' calls (a forward hook pair,
+    removed after), not around the whole step: a mode sees every torch call made under it, and
+    entered once a step it cost a SmolLM2 decode step ~20% (docs/performance.md#the-decode-step)."""
+    mode, hooks = OneDNNLinears(groups), []
+
+    def enter(mod, args):  # returns None: a pre-hook's result would replace the Linear's input
+        mode.__enter__()
+
+    def leave(mod, args, out):
+        mode.__exit__(None, None, None)
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear) and mod.weight in mode.of:
+            hooks += [mod.register_forward_pre_hook(enter),
+                      mod.register_forward_hook(leave, always_call=True)]
     try:
         yield
     finally:
-        for mod, (attr, *_) in weights.items():
-            delattr(mod, attr)  # the class's method again
+        for h in hooks:
+            h.remove()

@@ -250,7 +250,8 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
         self.head_dim, self.layer_idx, self.qk_norm = D, layer_idx, cfg.qk_norm
 
-    # the generator on CPU runs one stacked matmul in its place (machine.onednn_weights)
+    # on CPU the torch generator takes the three products as one stacked matmul
+    # (machine.OneDNNLinears)
     def qkv(self, x):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 

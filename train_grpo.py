@@ -123,8 +123,8 @@ class Rollout:
                                     # checked against free memory at start; colocated it must leave
                                     # the trainer room (e.g. 0.3)
     onednn: bool = True             # torch generator on CPU: large Linears on oneDNN-reordered
-                                    # weights, q/k/v and gate/up stacked (machine.onednn_weights; a
-                                    # module a fork changed is left as is)
+                                    # weights, q/k/v and gate/up stacked: the same products,
+                                    # whatever code asks for them (machine.OneDNNLinears)
     enforce_eager: bool | None = None  # vLLM: None = eager on CPU, CUDA graphs on GPU (eager decode
                                     # is launch-bound)
     max_staleness: int = 0          # 0 on-policy; k: generate batch s+k while training on s

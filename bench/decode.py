@@ -122,7 +122,7 @@ def time_step(m, cfg, rows, S, prompt, roof, rounds):
     samples = {}
     for _ in range(rounds):
         for lever, weights in (("linear", {}), ("onednn", packed)):
-            with machine.linears_on(weights):
+            with machine.linears_on(m, weights):
                 for part in ("step", "matmuls") + (("step_copied",) if weights else ()):
                     key = part if part == "step_copied" else f"{part}_{lever}"
                     samples.setdefault(key, []).append(machine._best_s(fns[part]))

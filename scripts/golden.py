@@ -88,6 +88,7 @@ def main():
     args = ap.parse_args()
     out = ROOT / "out" / "golden" / "runs"
     shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)  # a fresh clone has no out/
     sys.path.insert(0, str(ROOT))
     import data
     (out.parent / "reward.py").write_text(REWARD)

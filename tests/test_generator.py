@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import data
 import generator
@@ -187,32 +188,34 @@ def test_fewer_completions_is_a_clear_error():
         check_completions([[c, c]], 2, 2)
 
 
+class CountOneDNN(TorchDispatchMode):
+    """Counts the products taken on oneDNN-reordered weights (machine.OneDNNLinears)."""
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        CountOneDNN.n += func.overloadpacket == torch.ops.mkldnn._linear_pointwise
+        return func(*args, **(kwargs or {}))
+
+
 def test_onednn_linears_are_the_trainers_math_and_follow_the_weights(tiny_ckpt, monkeypatch):
     """On CPU in fp32 the torch generator multiplies by weights reordered for oneDNN (machine.onednn_weights). The
     toy's weights are below the size where that pays, so the threshold drops to take every Linear, a block's q, k, v
     and its gate, up stacked into one matmul each (4 a block). The logprobs must stay the trainer's, the reordered
     copy must follow update_weights (its own model) and in-place changes (a shared module), and every module's own
     methods must be back afterwards."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountOneDNN(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            CountOneDNN.n += func.overloadpacket == torch.ops.mkldnn._linear_pointwise
-            return func(*args, **(kwargs or {}))
     monkeypatch.setattr(machine, "ONEDNN_MIN_WEIGHT", 0)
     model = Transformer.from_pretrained(tiny_ckpt).eval()
     prompts, kw = make_prompts(4, seed=31), dict(n=2, temperature=1.0, max_tokens=12, stop_token_ids=[], seed=0)
     own, shared = TorchGenerator(str(tiny_ckpt), max_model_len=128), TorchGenerator(model, max_model_len=128)
     linears = len(machine.onednn_weights(model, 8))  # matmuls a forward
-    assert linears == 4 * model.cfg.num_hidden_layers + 1
+    assert linears == 4 * model.cfg.num_hidden_layers + 1  # q, k, v and gate, up stacked
     for tg in (own, shared):
         CountOneDNN.n = 0
         with CountOneDNN():
             out = tg.generate(prompts, **kw)
         assert CountOneDNN.n >= linears * 12 and max_gap(model, out) < TOL, CountOneDNN.n
-        assert not any({"forward", "qkv", "gate_up"} & set(vars(m)) for m in tg.model.modules())
+        assert not any({"forward", "qkv", "gate_up"} & set(vars(m)) or m._forward_hooks
+                       or m._forward_pre_hooks for m in tg.model.modules())  # nothing left behind
     assert len(own._packed) == linears and shared._packed is None
     perturbed(model, seed=2)  # the shared generator's weights change under it, as a trainer's do
     own.update_weights(model.named_parameters(), version=1)
@@ -235,28 +238,45 @@ def test_onednn_linears_are_the_trainers_math_and_follow_the_weights(tiny_ckpt, 
 
 def test_a_forks_changed_block_is_what_the_torch_generator_runs(tiny_ckpt, monkeypatch):
     """A fork changes a projection the CPU decode step would otherwise stack and reorder
-    (machine.onednn_weights): an MLP subclass with its own gate_up, a patched qkv on one layer's
-    attention. The torch generator must sample from the changed model, its logprobs the trainer's,
-    while the untouched modules still take the fast path."""
+    (machine.onednn_weights), each of the ways a fork would: model.py's MLP.gate_up edited in place
+    (patched on the class), an attention subclass swapped into a block with its own qkv, a patched
+    qkv on one layer's module, a Linear subclass with its own forward. The torch generator must
+    sample from the changed model, its logprobs the trainer's, while every product it still takes
+    runs on the reordered weights."""
     import model as model_lib
 
-    class GatedTwice(model_lib.MLP):  # the way a fork would: a subclass swapped into the blocks
-        def gate_up(self, x):
-            return 2.0 * self.gate_proj(x), self.up_proj(x)
+    def gate_up(self, x):  # model.py edited: the gate doubled
+        return 2.0 * self.gate_proj(x), self.up_proj(x)
+    monkeypatch.setattr(model_lib.MLP, "gate_up", gate_up)
+
+    class KFromScaledInput(model_lib.Attention):  # k reads another input than q and v
+        def qkv(self, x):
+            return self.q_proj(x), self.k_proj(0.5 * x), self.v_proj(x)
+
+    class Shifted(torch.nn.Linear):  # a Linear with its own forward
+        def forward(self, x):
+            return super().forward(x) + 0.1
     monkeypatch.setattr(machine, "ONEDNN_MIN_WEIGHT", 0)
     model = Transformer.from_pretrained(tiny_ckpt).eval()
-    for block in model.model.layers:
-        block.mlp.__class__ = GatedTwice
-    attn = model.model.layers[0].self_attn
-    # patched on one module
-    attn.qkv = lambda x: (attn.q_proj(x) * 1.5, attn.k_proj(x), attn.v_proj(x))
-    fast = machine.onednn_weights(model, 8)
-    assert attn not in fast and not any(m in fast for b in model.model.layers for m in (b.mlp,))
-    assert model.model.layers[1].self_attn in fast  # untouched: still stacked and reordered
+    blocks = model.model.layers
+    blocks[0].self_attn.__class__ = KFromScaledInput
+    attn = blocks[1].self_attn
+    attn.qkv = lambda x: (attn.q_proj(x) * 1.5, attn.k_proj(x), attn.v_proj(x))  # on one module
+    blocks[-1].mlp.down_proj.__class__ = Shifted
     prompts, kw = make_prompts(4, seed=5), dict(n=2, temperature=1.0, max_tokens=12,
                                                 stop_token_ids=[], seed=0)
-    out = TorchGenerator(model, max_model_len=128).generate(prompts, **kw)
-    assert max_gap(model, out) < TOL
+    plain = TorchGenerator(model, max_model_len=128, onednn=False).generate(prompts, **kw)
+    assert max_gap(model, plain) < TOL
+    CountOneDNN.n = 0
+    with CountOneDNN():
+        out = TorchGenerator(model, max_model_len=128).generate(prompts, **kw)
+    assert max_gap(model, out) < TOL and CountOneDNN.n > 0
+    # the same draws as F.linear's (roundings ~1e-6 apart): the changes are in force on both paths
+    assert [c.token_ids for g in out for c in g] == [c.token_ids for g in plain for c in g]
+    monkeypatch.undo()  # model.py as shipped: a different model, different tokens
+    base = TorchGenerator(Transformer.from_pretrained(tiny_ckpt).eval(), max_model_len=128)
+    assert [c.token_ids for g in base.generate(prompts, **kw) for c in g] != \
+        [c.token_ids for g in out for c in g]
     assert "qkv" in vars(attn)  # the fork's patch is still there afterwards
 
 
