@@ -27,11 +27,12 @@ def mismatch(train_logp, gen_logp, mask):
                                                     mask))}
 
 
-def rollout_stats(r, correct, lengths, groups, batch, step, env, max_staleness=0):
-    """A step's batch in numbers: rewards (B, G) and their accuracy part, response lengths (B, G),
-    the share cut at max_tokens, of groups with no signal (and on which side), how stale the
-    samples were (mean, max, and the share at each staleness 0..max_staleness), and with an env
-    (rollout.env) the episodes' ends."""
+def rollout_stats(st, step, env, max_staleness=0):
+    """A step's batch in numbers (st: train_grpo.StepData): rewards (B, G) and their accuracy part,
+    response lengths (B, G), the share cut at max_tokens, of groups with no signal (and on which
+    side), how stale the samples were (mean, max, and the share at each staleness
+    0..max_staleness), and with an env (rollout.env) the episodes' ends."""
+    r, correct, lengths, groups, batch = st.r, st.correct, st.lengths, st.groups, st.batch
     age = step - batch["version"]
     return {"rollout/reward_mean": float(r.mean()), "rollout/reward_std": float(r.std()),
             # rollout.accuracy's, whatever else is summed

@@ -260,6 +260,28 @@ def parse_config(argv):
 # ---------------------------------------------------------------------------------------------
 # 2. Data, advantages, the update (prompts, generation, rewards and eval: rollout.py)
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class StepData:
+    """One step's data on this rank, filled in as main() goes: its B/dp problems and their G
+    completions each, the rewards r (B/dp, G) and the accuracy reward's part, the batch
+    (packing.make_batch: ids (B/dp*G, P+R), mask (B/dp*G, R), the sampler's logprobs gen_logp; a
+    teacher's), the advantages (B/dp*G, 1) or (B/dp*G, T), and the no-grad logprobs the loss takes
+    beside the policy's: the reference's, pi_old's."""
+    problems: list
+    groups: list
+    r: torch.Tensor
+    correct: torch.Tensor
+    batch: dict
+    adv: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+
+    @property
+    def lengths(self):  # (B/dp, G) response tokens
+        return torch.tensor([[len(c.token_ids) for c in g] for g in self.groups],
+                            dtype=torch.float32)
+
+
 def advantages(r, batch, lengths, cfg):
     """(B, G) rewards -> advantages (B*G, 1), one per sequence, or (B*G, T), one per token:
     whichever the estimator `loss.adv` returns (losses.py: ADVANTAGES). DAPO's overlong shaping is
@@ -285,12 +307,12 @@ def advantages(r, batch, lengths, cfg):
     return kl + d.reward_weight * adv if d.teacher else adv
 
 
-def update(model, opt, sched, loss_fn, batch, adv, ref_logp, old_logp, cfg, device, step,
-           correction=None):
+def update(model, opt, sched, loss_fn, st, cfg, device, step, correction=None):
     """ppo_epochs x minibatches optimizer steps on this rank's batch: micro-batches -> loss ->
     backward -> clip -> step. Returns the update's mean metrics, the number of skipped (non-finite)
     steps, and each row's logp from epoch 0 (the policy before any step when there is one
     minibatch)."""
+    batch, adv, ref_logp, old_logp = st.batch, st.adv, st.ref_logp, st.old_logp
     n, tr = len(batch["ids"]), cfg.train
     mb_size, sums, tokens, num_opt, skipped = math.ceil(n / tr.minibatches), {}, {}, 0, 0
     first_logp = torch.zeros_like(batch["gen_logp"])
@@ -499,12 +521,11 @@ def main(argv=None):
         # scored each round as it came in)
         with metrics.timed(perf, "perf/reward_s"):
             r, correct, rstats = scored or scorer(groups, problems)[1:]
-        problems, groups = problems[lo:hi], groups[lo:hi]
-        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float32)
-        # 4d. the batch, ids (B/dp*G, P+R) and mask (B/dp*G, R); a teacher's logprobs of its tokens
-        # (distill.teacher); advantages (B/dp*G, 1) or (B/dp*G, T); DAPO's filter zeroes the mask
-        # of groups without signal
-        batch = packing.make_batch(problems, groups, tok.pad_token_id)
+        # 4d. this rank's step data (StepData): the batch; a teacher's logprobs of its tokens
+        # (distill.teacher); the advantages; DAPO's filter zeroes the mask of groups without signal
+        st = StepData(problems[lo:hi], groups[lo:hi], r, correct,
+                  packing.make_batch(problems[lo:hi], groups[lo:hi], tok.pad_token_id))
+        batch = st.batch
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})
         if teacher is not None:
             with metrics.timed(perf, "perf/teacher_s"):
@@ -512,7 +533,7 @@ def main(argv=None):
                                                              cfg.train.micro_batch, temp).cpu()
             rstats = {**rstats, "distill/reverse_kl": float(losses.masked_mean(
                 batch["gen_logp"] - batch["teacher_logp"], batch["mask"]))}
-        adv = advantages(r, batch, lengths, cfg)
+        st.adv = advantages(r, batch, st.lengths, cfg)
         if ro.filter_zero_std:
             batch["mask"] *= (~losses.zero_std_groups(r)).float().repeat_interleave(G)[:, None]
         # 4e. reference and old logprobs (no grad), only when the loss needs them. pi_old: the
@@ -530,14 +551,14 @@ def main(argv=None):
             own_old = not stale or correction is not None
             pre_logp = (packing.no_grad_logp(model, batch, tr.micro_batch, temp)
                         if tr.minibatches > 1 or (own_old and tr.ppo_epochs > 1) else None)
-            old_logp = pre_logp if own_old else batch["gen_logp"]
+            st.old_logp = pre_logp if own_old else batch["gen_logp"]
+        st.ref_logp = ref_logp if kl_in_loss else None
         # 4f. policy update: ppo_epochs x minibatches x micro-batches
         with metrics.timed(perf, "perf/train_s"):
             if roles.colocated and gen is not None:  # GPU: the engine's memory freed (CPU: none)
                 gen.sleep(keep_weights=not plan.sync)  # new weights follow: no need to keep the old
-            stats, skipped, first_logp = update(model, opt, sched, loss_fn, batch, adv,
-                                            ref_logp if kl_in_loss else None, old_logp, cfg,
-                                            roles.device, s, correction)
+            stats, skipped, first_logp = update(model, opt, sched, loss_fn, st, cfg, roles.device,
+                                                s, correction)
         train_logp = first_logp if pre_logp is None else pre_logp.cpu()  # before this update
         perf["perf/update_gflops"] = stats["perf/update_gflop"] / max(perf["perf/train_s"], 1e-9)
         if cfg.log.drift:
@@ -560,8 +581,7 @@ def main(argv=None):
                    else "data/truncated_prompts")
         row = metrics.dp_mean({
             **stats, **rstats, **sync, **perf,
-            **metrics.rollout_stats(r, correct, lengths, groups, batch, s, ro.env,
-                                    ro.max_staleness),
+            **metrics.rollout_stats(st, s, ro.env, ro.max_staleness),
             "train/lr": sched.get_last_lr()[0], "train/skipped_steps": float(skipped_total),
             dropped: float(num_dropped)}, mesh["dp_shard"].get_group(), dp)
         if plan.eval:
@@ -574,7 +594,7 @@ def main(argv=None):
                                                     (skipped_total, skipped_run))
         row["ckpt/failed_saves"] = float(num_failed_saves)
         row["perf/step_s"] = time.perf_counter() - t_step
-        row["perf/tokens_per_s"] = float(lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
+        row["perf/tokens_per_s"] = float(st.lengths.sum()) * dp / max(row["perf/step_s"], 1e-9)
         row["step"] = s + 1
         log.append("prompts.jsonl", {"step": s + 1, "ids": prompt_ids})
         metrics.finish_step(log, row, skipped, skipped_run, cfg.train.max_skipped_steps, STATS,

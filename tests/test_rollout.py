@@ -75,7 +75,8 @@ def test_groups_without_signal_are_split_into_all_right_and_all_wrong():
     correct = torch.tensor([[1., 1., 1.], [0., 0., 0.], [1., 0., 1.], [0., 0., 0.]])
     r = correct + 0.0
     groups = [[SimpleNamespace(finish_reason="stop")] * 3] * 4
-    row = metrics.rollout_stats(r, correct, torch.full((4, 3), 5.0), groups,
-                                {"version": torch.zeros(12)}, 0, None)
+    st = SimpleNamespace(r=r, correct=correct, lengths=torch.full((4, 3), 5.0), groups=groups,
+                         batch={"version": torch.zeros(12)})
+    row = metrics.rollout_stats(st, 0, None)
     assert row["rollout/zero_std_frac"] == 0.75
     assert (row["rollout/all_right_frac"], row["rollout/all_wrong_frac"]) == (0.25, 0.5)
