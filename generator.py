@@ -445,7 +445,9 @@ class TorchGenerator:
         weights (update_weights) and says so by returning True. The rows still running go on under
         them, and each token records the version that sampled it (module docstring)."""
         _check_args(prompt_ids, n, temperature, max_tokens)
-        with contextlib.ExitStack() as linears:
+        # compiled blocks (dist.compile) run eagerly here: a KV-cache decode changes shape every
+        # token, and torch 2.13 fails to compile it (tests/test_dist.py, compiled2)
+        with torch.compiler.set_stance("force_eager"), contextlib.ExitStack() as linears:
             linears.enter_context(self.fast_linears(len(prompt_ids) * n))
 
             def polled():  # new weights: the reordered copies are of the old ones

@@ -221,10 +221,24 @@ def compiled2(roles, out):
             got = packing.response_logp(m, pb, slice(0, 8), 1.0, packed=packed)
             res[f"no_grad_packed_{packed}"] = (got - want).abs().max().item()
         cache, ids = kvcache.KVCache(cfg, 2, 16, torch.float32, "cpu"), batch(4, B=2, T=6)
-        m(ids[:, :5], kv_cache=cache)
-        step = m(ids[:, 5:], kv_cache=cache, cache_pos=5)[:, -1]
+        with torch.compiler.set_stance("force_eager"):  # as the torch generator decodes
+            m(ids[:, :5], kv_cache=cache)
+            step = m(ids[:, 5:], kv_cache=cache, cache_pos=5)[:, -1]
         res["decode"] = (step - ref(ids)[:, -1]).abs().max().item()
     res["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # compiling happened
+    import generator  # the torch generator on the compiled blocks: eager, the trainer's logprobs
+    out = generator.TorchGenerator(m, max_model_len=32).generate(
+        ids[:, :4].tolist(), n=2, max_tokens=6, stop_token_ids=[], seed=0)
+    res["generate_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - res["graphs"]
+    with torch.no_grad():
+        gaps = []
+        for g in out:
+            for c in g:
+                full = torch.tensor([c.prompt_ids + c.token_ids])
+                logp = ref(full)[0, len(c.prompt_ids) - 1:-1].log_softmax(-1)
+                want = logp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                gaps.append((torch.tensor(c.logprobs) - want).abs().max().item())
+        res["generate_logp"] = max(gaps)
     return res
 
 

@@ -74,6 +74,7 @@ def test_compiled_blocks_match_one_eager_rank(tmp_path):
             assert r["tied"] and r["names"], (name, r)
         assert res["no_grad_packed_False"] <= 1e-5 and res["no_grad_packed_True"] <= 1e-5, res
         assert res["decode"] <= 1e-5 and res["graphs"] >= 2, res  # grad and no-grad graphs at least
+        assert res["generate_graphs"] == 0 and res["generate_logp"] <= 1e-5, res
 
 
 @pytest.mark.slow
