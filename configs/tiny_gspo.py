@@ -5,15 +5,8 @@
 # Grid, mean ± std over seeds, held-out gain after 22 steps: on-policy +0.071 ± 0.028;
 # stale by one batch at this lr +0.064 ± 0.016; at its best stale lr (0.0001) +0.064 ± 0.016.
 
-include("tiny.py")  # the tiny base
+include("tiny_grid.py")  # the tiny base, as the grid runs it
 loss.name = "gspo"
 loss.kwargs = {}
 optim.lr = 0.0001
-optim.warmup_steps = 0             # the grid's constant lr from step 1 (compare.FIXED), not tiny.py's warm-up:
-optim.schedule = "constant"        # on the AVX2 path 1e-4 from step 1 dips first (docs/losses.md); to train
-rollout.overlong_cache = 0         # longer than the grid, drop these three lines and keep tiny.py's schedule
-rollout.max_staleness = 0          # on-policy; the grid's stale column is --rollout.max_staleness=1
-train.steps = 22
-train.seed = 0
-eval.every = 10
 log.run = "tiny_gspo"
