@@ -299,7 +299,7 @@ class OneDNNLinears(TorchFunctionMode):
     def __init__(self, groups):
         super().__init__()
         self.of = {w: (g, i) for g in groups for i, w in enumerate(g[0])}  # weight -> group, index
-        self.ready = {}  # id(group) -> (x, its outputs not handed out yet)
+        self.ready = {}  # id(group) -> (x, x's version, its outputs not handed out yet)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -310,10 +310,11 @@ class OneDNNLinears(TorchFunctionMode):
         x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
         if bias is not biases[i]:
             return func(*args, **kwargs)
-        x_then, ys = self.ready.get(id(hit[0]), (None, None))
-        if x_then is not x or ys[i] is None:
+        # the same x, unchanged since (an in-place op bumps its _version)
+        x_then, version, ys = self.ready.get(id(hit[0]), (None, None, None))
+        if x_then is not x or version != x._version or ys[i] is None:
             ys = list(torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "").split(sizes, -1))
-            self.ready[id(hit[0])] = (x, ys)
+            self.ready[id(hit[0])] = (x, x._version, ys)
         y, ys[i] = ys[i], None
         return y
 

@@ -239,8 +239,9 @@ def test_onednn_linears_are_the_trainers_math_and_follow_the_weights(tiny_ckpt, 
 def test_a_forks_changed_block_is_what_the_torch_generator_runs(tiny_ckpt, monkeypatch):
     """A fork changes a projection the CPU decode step would otherwise stack and reorder
     (machine.onednn_weights), each of the ways a fork would: model.py's MLP.gate_up edited in place
-    (patched on the class), an attention subclass swapped into a block with its own qkv, a patched
-    qkv on one layer's module, a Linear subclass with its own forward. The torch generator must
+    (patched on the class), attention subclasses swapped into blocks with their own qkv (k on
+    another input; the input changed in place after q), a patched qkv on one layer's module, a
+    Linear subclass with its own forward. The torch generator must
     sample from the changed model, its logprobs the trainer's, while every product it still takes
     runs on the reordered weights."""
     import model as model_lib
@@ -253,6 +254,12 @@ def test_a_forks_changed_block_is_what_the_torch_generator_runs(tiny_ckpt, monke
         def qkv(self, x):
             return self.q_proj(x), self.k_proj(0.5 * x), self.v_proj(x)
 
+    class ScaledInPlace(model_lib.Attention):  # the same tensor, changed in place after q
+        def qkv(self, x):
+            q = self.q_proj(x)
+            x.mul_(0.5)
+            return q, self.k_proj(x), self.v_proj(x)
+
     class Shifted(torch.nn.Linear):  # a Linear with its own forward
         def forward(self, x):
             return super().forward(x) + 0.1
@@ -260,6 +267,7 @@ def test_a_forks_changed_block_is_what_the_torch_generator_runs(tiny_ckpt, monke
     model = Transformer.from_pretrained(tiny_ckpt).eval()
     blocks = model.model.layers
     blocks[0].self_attn.__class__ = KFromScaledInput
+    blocks[2].self_attn.__class__ = ScaledInPlace
     attn = blocks[1].self_attn
     attn.qkv = lambda x: (attn.q_proj(x) * 1.5, attn.k_proj(x), attn.v_proj(x))  # on one module
     blocks[-1].mlp.down_proj.__class__ = Shifted
