@@ -524,7 +524,7 @@ def main(argv=None):
         # 4d. this rank's step data (StepData): the batch; a teacher's logprobs of its tokens
         # (distill.teacher); the advantages; DAPO's filter zeroes the mask of groups without signal
         st = StepData(problems[lo:hi], groups[lo:hi], r, correct,
-                  packing.make_batch(problems[lo:hi], groups[lo:hi], tok.pad_token_id))
+                      packing.make_batch(problems[lo:hi], groups[lo:hi], tok.pad_token_id))
         batch = st.batch
         batch.update({k: batch[k].to(roles.device) for k in ("ids", "attn", "prompt")})
         if teacher is not None:
