@@ -303,11 +303,14 @@ class OneDNNLinears(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        hit = self.of.get(args[1]) if func is F.linear else None
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        named = dict(zip(("input", "weight", "bias"), args), **kwargs)  # positional or by name
+        x, bias = named["input"], named.get("bias")
+        hit = self.of.get(named["weight"])
         if hit is None:
             return func(*args, **kwargs)
         (_, biases, w, b, sizes), i = hit
-        x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
         if bias is not biases[i]:
             return func(*args, **kwargs)
         # the same x, unchanged since (an in-place op bumps its _version)
