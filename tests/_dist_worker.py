@@ -230,15 +230,11 @@ def compiled2(roles, out):
     out = generator.TorchGenerator(m, max_model_len=32).generate(
         ids[:, :4].tolist(), n=2, max_tokens=6, stop_token_ids=[], seed=0)
     res["generate_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - res["graphs"]
-    with torch.no_grad():
-        gaps = []
-        for g in out:
-            for c in g:
-                full = torch.tensor([c.prompt_ids + c.token_ids])
-                logp = ref(full)[0, len(c.prompt_ids) - 1:-1].log_softmax(-1)
-                want = logp.gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
-                gaps.append((torch.tensor(c.logprobs) - want).abs().max().item())
-        res["generate_logp"] = max(gaps)
+    with torch.no_grad():  # model.py's logp of each sampled token, as tests/test_generator.py's
+        seqs = [torch.tensor([c.prompt_ids + c.token_ids]) for g in out for c in g]
+        res["generate_logp"] = max(
+            (torch.tensor(c.logprobs) - ref(s[:, :-1], targets=s[:, 1:])[0, len(c.prompt_ids) - 1:])
+            .abs().max().item() for s, c in zip(seqs, (c for g in out for c in g)))
     return res
 
 
