@@ -157,11 +157,15 @@ class Merger:
     def __call__(self, named):
         """named: the received (name, tensor) adapters (views a later bucket may overwrite)."""
         ad = {n: t.float().clone() for n, t in named}
+        # where the adapters arrived: on a GPU they are CUDA tensors (NCCL, or the colocated
+        # trainer's), and each base tensor goes there to meet them, in its stored dtype (half the
+        # bytes of fp32 for a bf16 checkpoint), one at a time
+        device = next(iter(ad.values())).device if ad else torch.device("cpu")
         handles = {}
         for n, fname in self.files.items():
             if fname not in handles:
                 handles[fname] = safe_open(self.path / fname, framework="pt")
-            w, mod = handles[fname].get_tensor(n).float(), n.removesuffix(".weight")
+            w, mod = handles[fname].get_tensor(n).to(device).float(), n.removesuffix(".weight")
             if f"{mod}.lora_A" in ad:
                 w += self.scale * (ad[f"{mod}.lora_B"] @ ad[f"{mod}.lora_A"])
             yield n, w

@@ -86,6 +86,21 @@ def test_what_the_generator_loads_equals_the_adapted_forward(tiny_ckpt_untied):
         assert (plain(IDS) - m(IDS)).abs().max() < 1e-5
 
 
+def test_the_merge_runs_where_the_adapters_arrive_meta_standing_in_for_cuda(tiny_ckpt_untied):
+    """On a GPU the adapters a generator receives are CUDA tensors, and the base checkpoint is read
+    on the CPU: the merge must bring each base tensor to the adapters' device. No CUDA here, so the
+    meta device stands in for it (the shapes and names are checked; the values are the test
+    above's)."""
+    m = adapted(tiny_ckpt_untied, targets=("q_proj", "down_proj"))
+    sent = [(n, p.detach().to("meta")) for n, p in m.named_parameters()
+            if n.endswith((".lora_A", ".lora_B"))]
+    got = list(lora.Merger(tiny_ckpt_untied, 4, 8.0)(iter(sent)))
+    plain = dict(Transformer.from_pretrained(tiny_ckpt_untied).named_parameters())
+    assert sorted(n for n, _ in got) == sorted(plain)
+    assert all(t.device.type == "meta" and t.shape == plain[n].shape and t.dtype == torch.float32
+               for n, t in got)
+
+
 def test_peft_loads_the_saved_adapter_and_its_logits_equal_ours(tiny_ckpt, tmp_path):
     """The oracle for the format and the math: PEFT puts our adapter_config.json and
     adapter_model.safetensors onto transformers' model of the base checkpoint; its logits equal
