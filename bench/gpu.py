@@ -30,6 +30,11 @@ tokens/s. No network, no vLLM: the torch generator (train_grpo's GPU fallback wi
    cuDNN's attention backend off (SDPA picks another kernel: is the per-shape cost cuDNN's plans?); _fresh draws a
    new batch (new shapes) for every update, as training does. Each variant starts from the same weights: one
    untimed update, then --repeats timed ones (every sample is kept).
+7. grpo_lora (not a default part: --parts grpo_lora, ~2 minutes): 0.'s loop with LoRA (rank 32,
+   alpha 64, every Linear; docs/lora.md), 6 steps with beta 0.04, on the GPU path that CPU tests
+   cannot reach: adapters on a bf16 base under FSDP2, the reference as the base with adapters off,
+   each sync folding CUDA adapters into the checkpoint read from disk (lora.Merger), the export's
+   merge. Reported as 0. is, plus the bytes a sync carries.
 Each part runs on its own: one that fails records its error and the others still run; the JSON is rewritten after
 every part, so a run cut short keeps what it measured.
 
@@ -84,7 +89,11 @@ GRPO = dict(steps=20, prompts=16, samples=8, max_tokens=256, micro_batch=32)
 QWEN25_15B_CKPT = {k: QWEN25_15B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}
 GRPO_RANK = dict(steps=5, prompts=8, samples=8, max_tokens=512, micro_batch=16, beta=0.04)
-PARTS = ("grpo", "parity", "generate", "logprob_memory", "train", "grpo_rank", "update")
+PARTS = ("grpo", "parity", "generate", "logprob_memory", "train", "grpo_rank", "update",
+         "grpo_lora")
+DEFAULT_PARTS = PARTS[:-1]  # ~9 minutes on one H200; grpo_lora by name (the smoke runs every part)
+GRPO_LORA = dict(GRPO, steps=6, beta=0.04)
+LORA = ("--model.lora_rank=32", "--model.lora_alpha=64")
 # the update levers at grpo_rank's batch (8 prompts x 8 samples, 20 prompt tokens, responses up to 512)
 UPDATE = dict(prompts=8, samples=8, prompt_tokens=20, max_tokens=512, repeats=3)
 UPDATE_VARIANTS = ("eager_16", "eager_32", "compiled_16", "compiled_32")
@@ -182,9 +191,11 @@ def bench_generate(cfg, device, prompts, n, prompt_len, new_tokens):
                 tokens_per_s=tokens / dt)
 
 
-def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=False, compile=False):
+def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=False, compile=False,
+               extra=()):
     """train_grpo.main in this process (it joins and leaves its own world of one); see the module docstring.
-    profile: torch.profiler around the second step's update, its top operators by device time kept as text."""
+    profile: torch.profiler around the second step's update, its top operators by device time kept
+    as text. extra: more train_grpo overrides (grpo_lora's adapters)."""
     import train_grpo
     update, calls, tables = train_grpo.update, [], []
 
@@ -209,7 +220,7 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=Fal
             f"--eval.num_problems={run['prompts']}", "--log.plot_every_s=1e9", f"--log.out_dir={workdir}",
             f"--log.run={name}", f"--loss.kwargs={{'beta': {run.get('beta', 0.0)}, 'agg': 'token_mean'}}",
             "--rollout.overlong_cache=0",  # tiny.py's length penalty needs max_tokens > 16; a speed probe needs none
-            f"--dist.compile={compile}"]
+            f"--dist.compile={compile}", *extra]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -239,7 +250,9 @@ def bench_grpo(ckpt, shape, run, device, workdir, peak, name="grpo", profile=Fal
                                                    / r["perf/gen_s"] for r in rows),
                 update_tflops=flops / parts["train"] / 1e12, update_mfu=flops / parts["train"] / peak if peak else None,
                 peak_mem_gb=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-                mismatch_abs_diff=med("mismatch/abs_diff"), config=run, profile=tables[0] if tables else None)
+                mismatch_abs_diff=med("mismatch/abs_diff"), config=run,
+                profile=tables[0] if tables else None, overrides=list(extra),
+                sync_bytes=med("sync/bytes") if "sync/bytes" in rows[0] else None)
 
 
 def bench_update(cfg, device, mesh, run, variants):
@@ -262,8 +275,11 @@ def bench_update(cfg, device, mesh, run, variants):
         groups = [[Completion(p["prompt_ids"], torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist(), "",
                               [0.0] * n, "length", 0) for n in torch.randint(R // 4, R + 1, (G,), generator=g).tolist()]
                   for p in problems]
-        return packing.make_batch(problems, groups, 0), torch.randn(len(problems) * G, generator=g)
-    batch, adv = make(0)
+        r = torch.zeros(len(problems), G)
+        return train_grpo.StepData(problems, groups, r, r, packing.make_batch(problems, groups, 0),
+                                   adv=torch.randn(len(problems) * G, 1, generator=g))
+    st = make(0)
+    batch = st.batch
     out, base_logp = dict(config=run, response_tokens=int(batch["mask"].sum())), None
     for name in variants:  # "eager_16", "compiled_32", "compiled_16_fresh" (a new batch, new shapes, every update)
         mode, mb, *fresh = name.split("_")
@@ -284,10 +300,10 @@ def bench_update(cfg, device, mesh, run, variants):
             times = []
             free_gpu(device)
             for i in range(run["repeats"] + 1):  # the first: warm-up, and compilation
-                b, a = make(i + 1) if fresh else (batch, adv)  # built before the clock
+                b = make(i + 1) if fresh else st  # built before the clock
                 sync(device)
                 t0 = time.perf_counter()
-                sums = train_grpo.update(model, opt, sched, loss_fn, b, a, None, None, tcfg, device, i)[0]
+                sums = train_grpo.update(model, opt, sched, loss_fn, b, tcfg, device, i)[0]
                 sync(device)
                 times.append(time.perf_counter() - t0)
             step = statistics.median(times[1:])
@@ -377,6 +393,11 @@ def table(res):
     rows = [("device", res["device"])]
     rows += part_rows(res, "grpo", "GRPO", grpo("GRPO"))
     rows += part_rows(res, "grpo_rank", "GRPO, one gsm8k.py trainer rank", grpo("GRPO, one gsm8k.py trainer rank"))
+    rows += part_rows(res, "grpo_lora", "GRPO, LoRA r32", lambda gr: grpo("GRPO, LoRA r32")(gr) + [
+        ("GRPO, LoRA r32 sync",
+         f"{fmt(gr['sync_bytes'] and gr['sync_bytes'] / 2**20, '.1f')} MiB a sync"
+         + (f" (full: {res['grpo']['sync_bytes'] / 2**20:.1f} MiB)"
+            if res.get("grpo", {}).get("sync_bytes") else ""))])
     rows += part_rows(res, "parity", "parity vs transformers", lambda par: [(
         f"parity vs transformers, {par['batch']} x {par['seq']}, max |dlogits|",
         f"fp32 {par['fp32_max_abs']:.2e}; bf16 {par['bf16_max_abs']:.2e} (ours vs HF fp32 "
@@ -409,12 +430,14 @@ def main():
     p.add_argument("--profile", action="store_true", help="grpo_rank: torch.profiler's top operators of one update")
     p.add_argument("--compile", action="store_true", help="grpo_rank: with dist.compile (torch.compile per block)")
     p.add_argument("--rank-steps", type=int, default=GRPO_RANK["steps"], help="grpo_rank's steps")
-    p.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="which parts to run (default: all)")
+    p.add_argument("--parts", nargs="+", choices=PARTS,
+                   help="which parts to run (default: all but grpo_lora; --cpu-smoke: all)")
     p.add_argument("--variants", nargs="+", default=UPDATE_VARIANTS,
                    help="update: <eager|compiled|nocudnn>_<micro-batch>[_fresh] (fresh: a new batch every update)")
     p.add_argument("--repeats", type=int, default=0, help="update: timed updates per variant (0: the default)")
     a = p.parse_args()
     smoke = a.cpu_smoke
+    a.parts = a.parts or (PARTS if smoke else DEFAULT_PARTS)
     if not smoke and not torch.cuda.is_available():
         sys.exit("bench/gpu.py: no CUDA device (use --cpu-smoke to check the script on CPU)")
     cfg = ModelConfig(**(TOY if smoke else QWEN25_15B))
@@ -433,10 +456,15 @@ def main():
     else:
         import data
         ckpt = data.make_tiny_checkpoint(Path(workdir.name) / "ckpt", seed=0, **shape) \
-            if {"grpo", "parity"} & set(a.parts) or smoke else None
+            if {"grpo", "parity", "grpo_lora"} & set(a.parts) or smoke else None
         run = dict(GRPO, steps=4, prompts=4, samples=2, max_tokens=8, micro_batch=8) if smoke else GRPO
         if "grpo" in a.parts:
             run_part(res, "grpo", lambda: bench_grpo(ckpt, shape, run, device, workdir.name, peak), out)
+        free_gpu(device)
+        if "grpo_lora" in a.parts:
+            lora_run = dict(run, steps=3, beta=GRPO_LORA["beta"]) if smoke else GRPO_LORA
+            run_part(res, "grpo_lora", lambda: bench_grpo(
+                ckpt, shape, lora_run, device, workdir.name, peak, "grpo_lora", extra=LORA), out)
         free_gpu(device)
         if "parity" in a.parts:
             run_part(res, "parity", lambda: bench_parity(ckpt, shape["vocab_size"], device,
@@ -481,7 +509,8 @@ def main():
     workdir.cleanup()
     print("\n" + table(res))
     dist.shutdown()
-    if any("error" in v for v in res.values() if isinstance(v, dict)):
+    if any("error" in v or any(isinstance(u, dict) and "error" in u for u in v.values())
+           for v in res.values() if isinstance(v, dict)):
         sys.exit("bench/gpu.py: a part failed (its error is in the table above and in the JSON)")
 
 

@@ -149,16 +149,18 @@ def test_headline_command_at_its_own_size(tmp_path, start_ckpt, tp):
 
 
 def test_bench_gpu_cpu_smoke():
-    """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main, then the MFU,
-    logprob-memory and generator probes, parity against transformers, the update on a repeated and on fresh batches) at toy sizes on CPU, so the script is known to
-    run before a GPU sees it."""
+    """bench/gpu.sh --cpu-smoke: the GPU check's code paths (a GRPO run through train_grpo.main,
+    the MFU, logprob-memory and generator probes, parity against transformers, the update on a
+    repeated and on fresh batches, a LoRA run) at toy sizes on CPU, so the script is known to run
+    before a GPU sees it. A part or an update variant that raised makes the script exit non-zero."""
     res = subprocess.run(["bash", "bench/gpu.sh", "--cpu-smoke"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "PYTHON": sys.executable})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for row in ("GRPO step: gen / ref / train / sync / other", "GRPO generation", "GRPO update TFLOP/s, MFU; ref",
                 "GRPO, one gsm8k.py trainer rank step: gen / ref / train / sync / other",
                 "parity vs transformers, 2 x 16", "trainer step (FSDP2, bf16)", "logprob peak, T=64 fwd+bwd",
-                "torch generator", "update, eager_16 ", "update, nocudnn_16_fresh "):
+                "torch generator", "update, eager_16 ", "update, nocudnn_16_fresh ",
+                "GRPO, LoRA r32 step: gen / ref / train / sync / other", "GRPO, LoRA r32 sync"):
         assert f"| {row}" in res.stdout, (row, res.stdout[-2000:])
     assert "FAILED" not in res.stdout, res.stdout[-2000:]
 
