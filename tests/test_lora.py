@@ -101,6 +101,33 @@ def test_the_merge_runs_where_the_adapters_arrive_meta_standing_in_for_cuda(tiny
                for n, t in got)
 
 
+@pytest.mark.parametrize("name", sorted(__import__("losses").LOSSES))
+def test_every_loss_trains_the_adapters_alone(tiny_ckpt, name):
+    """A loss sees logprobs, never the model: each registered loss (a fork's too), with the
+    reference scored by lora.Base where it takes a KL, gives a finite loss whose gradient reaches
+    every adapter's B and no base weight."""
+    import inspect
+    import losses
+    m = adapted(tiny_ckpt)
+    x, y = IDS[:, :-1], IDS[:, 1:]
+    logp = m(x, targets=y)
+    with torch.no_grad():
+        ref_logp = lora.Base(m)(x, targets=y)
+        old_logp = logp.detach() - 0.01 * torch.arange(y.shape[1]) / y.shape[1]
+    mask = torch.ones_like(logp)
+    mask[1, -2:] = 0
+    adv = torch.tensor([[1.0], [-0.5]]).expand_as(logp)
+    params = inspect.signature(losses.LOSSES[name]).parameters
+    kw = {k: v for k, v in dict(beta=0.04, max_tokens=y.shape[1]).items() if k in params}
+    loss, _ = losses.LOSSES[name](**kw)(logp, ref_logp, adv, mask, old_logprobs=old_logp)
+    loss.backward()
+    assert torch.isfinite(loss), name
+    assert all(p.grad is None for n, p in m.named_parameters() if not n.endswith(".lora_B")
+               and not n.endswith(".lora_A")), name
+    assert all(mod.lora_B.grad is not None and mod.lora_B.grad.abs().sum() > 0
+               for mod in lora.adapted(m).values()), name
+
+
 def test_peft_loads_the_saved_adapter_and_its_logits_equal_ours(tiny_ckpt, tmp_path):
     """The oracle for the format and the math: PEFT puts our adapter_config.json and
     adapter_model.safetensors onto transformers' model of the base checkpoint; its logits equal
