@@ -240,6 +240,7 @@ def sft(cfg, world_size):
         ("eval.num_problems", c.eval.num_problems >= 1, ">= 1"),
         ("eval.max_tokens", c.eval.max_tokens >= 1, ">= 1"),
         ("eval.stop_at_accuracy", 0 <= c.eval.stop_at_accuracy <= 1, "in [0, 1] (0 = off)")])
+    lora_options(cfg)
     outside_world(cfg)
 
 

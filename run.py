@@ -243,6 +243,18 @@ def save_checkpoint(out, step, model, opt, sched, skipped) -> int:
     return int(checkpoint.save_checkpoint(out / "ckpt", step, model, opt, state) is None)
 
 
+def export(model, out, cfg, path):
+    """The run's end: <out>/hf, a Hugging Face checkpoint vLLM, transformers and train_grpo.py open
+    (collective on trainers). With LoRA (model.lora_rank > 0) that is the base checkpoint at `path`
+    with the adapters merged, and <out>/adapter holds the adapters alone in PEFT's format
+    (lora.py)."""
+    import lora
+    m = cfg.model
+    adapter = (out / "adapter", lora.peft_config(m.lora_rank, m.lora_alpha, m.lora_targets,
+                                                 m.lora_dropout, path)) if m.lora_rank else None
+    return checkpoint.export_hf(model, out / "hf", tokenizer_dir=path, adapter=adapter)
+
+
 def run_main(main):
     """The trainers' `__main__`: a config error is one clear line; a failed collective names the
     lost rank(s)."""

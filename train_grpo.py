@@ -52,7 +52,6 @@ from types import SimpleNamespace
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (docs/vllm-cpu.md)
 import torch
 
-import checkpoint
 import checks
 import config
 import data
@@ -601,10 +600,7 @@ def main(argv=None):
                             last=s + 1 == cfg.train.steps)
 
     # ---- 5. export the final policy as a Hugging Face checkpoint that vLLM opens -----------------
-    m = cfg.model  # with LoRA: merged, and the adapter alone in PEFT's format (lora.py)
-    adapter = (out / "adapter", lora.peft_config(m.lora_rank, m.lora_alpha, m.lora_targets,
-                                                 m.lora_dropout, path))
-    checkpoint.export_hf(model, out / "hf", tokenizer_dir=path, adapter=adapter)
+    run.export(model, out, cfg, path)  # with LoRA: merged, and the adapter alone (PEFT's format)
     log.close()
     dist.shutdown()
 

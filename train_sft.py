@@ -36,6 +36,10 @@ Deliberate departures from common SFT recipes:
 - packing is first-fit in data order (no sorting by length), so rows stay a pure function of the
   step.
 
+With `model.lora_rank > 0` only LoRA adapters on the frozen base train (lora.py, as in
+train_grpo.py); the checkpoints hold the adapters, and the export is the merged model plus the
+adapter in PEFT's format.
+
 Launch lines:
     CPU, one process:              python train_sft.py configs/sft_tiny.py
     CPU, 2 ranks (FSDP2, gloo):    torchrun --nproc_per_node=2 train_sft.py configs/sft_tiny.py
@@ -52,11 +56,11 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as tdist
 
-import checkpoint
 import checks
 import data
 import dist
 import generator
+import lora
 import machine
 import metrics
 import reward_guard
@@ -76,6 +80,11 @@ class Model:
     dtype: str = "auto"             # compute: float32 | bfloat16 (bf16 params, fp32 reduce) | auto:
                                     # bf16 on a GPU; on CPU whichever this machine's matmuls run
                                     # faster (machine.choose_dtype)
+    lora_rank: int = 0              # LoRA (docs/lora.md): train rank-r adapters on a frozen base;
+                                    # 0 = off, full fine-tuning
+    lora_alpha: float = 16.0        # the adapters' scale is lora_alpha / lora_rank
+    lora_targets: tuple = lora.TARGETS  # which Linears of each block get adapters
+    lora_dropout: float = 0.0       # dropout on the adapters' input (training forwards only)
 
 
 @dataclass
@@ -263,7 +272,9 @@ def main(argv=None):
     ckpt_path, start = run.find_resume(cfg.ckpt.resume, out / "ckpt", cfg.train.steps, roles.rank)
 
     # ---- 3. model and optimizer ------------------------------------------------------------------
-    model = run.load_model(path, roles.device, mesh, cfg)
+    # with LoRA (model.lora_rank): adapters on the frozen base, and only they train
+    model = run.load_model(path, roles.device, mesh, cfg,
+                           adapters=cfg.model if cfg.model.lora_rank else None)
     opt, sched = run.make_optimizer(model, cfg.optim, cfg.optim.schedule_steps or cfg.train.steps)
     # a resume restores model, optimizer, schedule, counters; the data order derives from the step
     skipped_total, skipped_run = run.restore(ckpt_path, model, opt, sched)
@@ -346,7 +357,7 @@ def main(argv=None):
             break
 
     # ---- 5. export the final model as a Hugging Face checkpoint that vLLM and train_grpo.py open
-    checkpoint.export_hf(model, out / "hf", tokenizer_dir=path)
+    run.export(model, out, cfg, path)  # with LoRA: merged, and the adapter alone (PEFT's format)
     log.close()
     dist.shutdown()
 
