@@ -20,11 +20,13 @@ generator folds and reloads after the last tensor arrives, and that time lands i
 wait), step and update (perf/train_s) seconds, and each rank's peak RSS. The machine's roofline
 comes first, as in every bench result. Then the torch generator's decode on merged weights
 (what a sync gives it) against the adapted module unmerged (`decode`), and vLLM's on the merged
-checkpoint against vLLM serving the adapter itself with enable_lora (`vllm`).
+checkpoint against vLLM serving the adapter itself with enable_lora (`vllm`), and the
+generator's merge alone (`merge`).
 
     .venv/bin/python bench/lora.py                          # bench/results/lora_smollm2.json
     .venv/bin/python bench/lora.py --model tiny --steps 2 --warmup 1 --out /tmp/l.json   # smoke run
     .venv/bin/python bench/lora.py --parts=decode,vllm     # the decode comparisons alone
+    .venv/bin/python bench/lora.py --parts=merge           # the generator's merge alone
 """
 import argparse
 import json
@@ -80,6 +82,28 @@ def decode(ckpt, rank=8, rows=64, tokens=32, repeats=3):
                 unmerged_s=out["unmerged"]["seconds"],
                 unmerged_vs_merged=out["unmerged"]["seconds"] / out["merged"]["seconds"],
                 same_greedy_rows=f"{same}/{rows}")
+
+
+def merge(ckpt, ranks=(8, 32), repeats=3):
+    """lora.Merger alone, the generator's side of a LoRA sync once the adapters have arrived: every
+    base tensor read through the checkpoint's memory map (a warm page cache: best of `repeats`)
+    and scale B A added to each target. Its bytes per second scale the cost to a bigger model
+    (docs/lora.md#why-merge-on-the-generator)."""
+    import time
+    import lora
+    out = []
+    for rank in ranks:
+        _, _, full = adapted_model(ckpt, rank)
+        sent = [(n, t) for n, t in full.items() if n.endswith((".lora_A", ".lora_B"))]
+        merger, times = lora.Merger(ckpt, rank, 2.0 * rank), []
+        for _ in range(repeats):
+            t0, nbytes = time.perf_counter(), 0
+            for _, w in merger(iter(sent)):
+                nbytes += w.numel() * w.element_size()
+            times.append(time.perf_counter() - t0)
+        out.append(dict(rank=rank, seconds=min(times), merged_bytes=nbytes,
+                        gb_per_s=nbytes / min(times) / 1e9))
+    return out
 
 
 PROMPTS = [[1, 5 + i % 100, 28, 2] for i in range(256)]
@@ -149,10 +173,10 @@ def main():
     p.add_argument("--warmup", type=int, default=2, help="steps run first and not counted")
     p.add_argument("--betas", default="0,0.04", help="loss beta values, comma-separated")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "lora_smollm2.json"))
-    p.add_argument("--parts", default="train,decode,vllm",
-                   help="train (the settings under torchrun), decode (torch generator) and/or "
-                        "vllm (merged vs enable_lora); parts given replace those parts in an "
-                        "existing --out")
+    p.add_argument("--parts", default="train,decode,vllm,merge",
+                   help="train (the settings under torchrun), decode (torch generator), vllm "
+                        "(merged vs enable_lora) and/or merge (lora.Merger alone); parts given "
+                        "replace those parts in an existing --out")
     p.add_argument("--serve", help=argparse.SUPPRESS)  # vllm_serve()'s engine process
     a = p.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -203,6 +227,8 @@ def main():
         out.update(decode=decode(ckpt or data_tiny(), repeats=3), decode_machine=roof)
     if "vllm" in parts:
         out.update(vllm_serve=vllm_serve(ckpt or data_tiny(), repeats=3), vllm_machine=roof)
+    if "merge" in parts:
+        out.update(merge=merge(ckpt or data_tiny()), merge_machine=roof)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     if "decode" in parts:
@@ -216,6 +242,9 @@ def main():
               f"{v['merged_s']:.2f} s, enable_lora {v['enable_lora_s']:.2f} s "
               f"({v['enable_lora_vs_merged']:.2f}x), same greedy rows {v['same_greedy_rows']}, "
               f"max logprob diff {v['max_logp_diff']:.1e}")
+    for m in out["merge"] if "merge" in parts else ():
+        print(f"merge, rank {m['rank']}: {m['merged_bytes'] / 2**20:.0f} MiB of merged weights in "
+              f"{m['seconds']:.3f} s ({m['gb_per_s']:.2f} GB/s)")
 
 
 def data_tiny():
