@@ -465,7 +465,7 @@ def main():
             lora_run = dict(run, steps=3, beta=GRPO_LORA["beta"]) if smoke else GRPO_LORA
             run_part(res, "grpo_lora", lambda: bench_grpo(
                 ckpt, shape, lora_run, device, workdir.name, peak, "grpo_lora", extra=LORA), out)
-        free_gpu(device)
+            free_gpu(device)
         if "parity" in a.parts:
             run_part(res, "parity", lambda: bench_parity(ckpt, shape["vocab_size"], device,
                                                          *((2, 16) if smoke else (4, 512))), out)

@@ -230,11 +230,13 @@ def compiled2(roles, out):
     out = generator.TorchGenerator(m, max_model_len=32).generate(
         ids[:, :4].tolist(), n=2, max_tokens=6, stop_token_ids=[], seed=0)
     res["generate_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - res["graphs"]
+    gaps = []
     with torch.no_grad():  # model.py's logp of each sampled token, as tests/test_generator.py's
-        seqs = [torch.tensor([c.prompt_ids + c.token_ids]) for g in out for c in g]
-        res["generate_logp"] = max(
-            (torch.tensor(c.logprobs) - ref(s[:, :-1], targets=s[:, 1:])[0, len(c.prompt_ids) - 1:])
-            .abs().max().item() for s, c in zip(seqs, (c for g in out for c in g)))
+        for c in (c for g in out for c in g):
+            s = torch.tensor([c.prompt_ids + c.token_ids])
+            want = ref(s[:, :-1], targets=s[:, 1:])[0, len(c.prompt_ids) - 1:]
+            gaps.append((torch.tensor(c.logprobs) - want).abs().max().item())
+    res["generate_logp"] = max(gaps)
     return res
 
 
